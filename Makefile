@@ -1,0 +1,53 @@
+# fastdp: the two commands of the README.
+#   make demo  -- set up a venv and train a DP CNN on Fashion-MNIST at (eps=3, delta=1e-5)
+#   make test  -- set up a venv and run the test suite (what CI runs)
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+TORCH  ?= torch==2.13.0
+PYTEST_ARGS ?=
+FMNIST_DIR ?= /usr/share/datasets/fashion-mnist
+
+.PHONY: demo test install cuda-check bench clean
+
+$(VENV)/.created:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel pybind11
+	touch $@
+
+# torch first (the local CPU wheel), then the package without build isolation so
+# that no build step can pull a CUDA torch of its own.
+$(VENV)/.installed: $(VENV)/.created pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
+	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q --no-build-isolation -e ".[test,triton]"
+	touch $@
+
+install: $(VENV)/.installed
+
+fashion-mnist:
+	@if [ ! -f "$(FMNIST_DIR)/train-images-idx3-ubyte.gz" ]; then \
+	  echo "installing Debian's dataset-fashion-mnist"; \
+	  (apt-get install -y -q dataset-fashion-mnist || (apt-get update -q && apt-get install -y -q dataset-fashion-mnist)) >/dev/null; \
+	fi
+
+demo: install fashion-mnist
+	$(PY) -m fastdp train --dataset fashion-mnist --target-epsilon 3 --delta 1e-5 \
+	    --metrics-json out/metrics.json --plot out/accuracy.png
+
+test: install cuda-check
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The CUDA sources must compile even on machines without a GPU.
+cuda-check:
+	@if command -v nvcc >/dev/null 2>&1 && ls csrc/*.cu >/dev/null 2>&1; then \
+	  mkdir -p build/cuda && for f in csrc/*.cu; do \
+	    nvcc -std=c++17 -O2 -arch=sm_90 -c $$f -o build/cuda/$$(basename $$f .cu).o || exit 1; \
+	  done && echo "cuda-check: compiled $$(ls csrc/*.cu | wc -l) CUDA source(s)"; \
+	else echo "cuda-check: skipped (no nvcc or no .cu sources)"; fi
+
+bench: install
+	$(PY) -m fastdp bench
+
+clean:
+	rm -rf build *.egg-info fastdp/*.so .pytest_cache .hypothesis

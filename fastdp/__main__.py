@@ -1,0 +1,5 @@
+import sys
+
+from fastdp.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Privacy accounting (filled by the accounting work)."""

@@ -1,0 +1,46 @@
+"""The ``fastdp`` command line: ``fastdp <command> [options]``.
+
+Each command lives beside the code it drives; a module listed in ``COMMAND_MODULES``
+exposes ``register(subparsers)``, which adds its sub-parsers and sets ``func``.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import List, Optional
+
+COMMAND_MODULES = (
+    "fastdp.accounting.cli",  # epsilon, calibrate
+    "fastdp.train",  # train
+    "fastdp.bench",  # bench
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fastdp", description="Differentially private training with exact per-sample clipping."
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:  # a real import error inside the module
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""Kernel dispatch: every hot operation of the engine goes through this module.
+
+Each operation has a pure-PyTorch *reference* implementation here. Faster
+implementations (C++ CPU kernels in ``fastdp._C``, Triton kernels in ``kernels/``)
+register themselves with :func:`register` for a backend name and a device type.
+
+Backend choice, per call, by the tensor's device:
+
+* ``FASTDP_BACKEND=reference`` forces the references (tests, bisecting);
+* ``FASTDP_BACKEND=native`` / ``triton`` prefers that backend where it has the op;
+* unset (``auto``): CUDA tensors use ``triton``, then ``native``; CPU tensors use
+  ``native``; anything missing falls back to the reference.
+
+Conventions shared by all implementations:
+
+* ``a``: activations ``(B, T, d)``; ``g``: output gradients ``(B, T, p)``.
+* Squared norms are returned as float64 tensors of shape ``(B,)``.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+BACKENDS = ("reference", "native", "triton")
+_REGISTRY: Dict[str, Dict[Tuple[str, str], Callable]] = {}
+_AUTO_ORDER = {"cuda": ("triton", "native"), "cpu": ("native",)}
+
+
+def register(op: str, backend: str, device_type: str):
+    """Decorator registering ``fn`` as ``backend``'s implementation of ``op`` on ``device_type``."""
+    if backend not in BACKENDS or backend == "reference":
+        raise ValueError(f"unknown backend {backend!r}; expected 'native' or 'triton'")
+
+    def decorate(fn: Callable) -> Callable:
+        _REGISTRY.setdefault(op, {})[(backend, device_type)] = fn
+        return fn
+
+    return decorate
+
+
+def selected_backend() -> str:
+    """The backend forced by ``FASTDP_BACKEND`` (``"auto"`` when unset)."""
+    name = os.environ.get("FASTDP_BACKEND", "auto").strip().lower() or "auto"
+    if name not in BACKENDS + ("auto",):
+        raise ValueError(
+            f"FASTDP_BACKEND={name!r} is not one of {', '.join(BACKENDS + ('auto',))}"
+        )
+    return name
+
+
+_backends_loaded = False
+
+
+def _load_backends() -> None:
+    """Import the optional backends once; each registers what it implements."""
+    global _backends_loaded
+    if _backends_loaded:
+        return
+    _backends_loaded = True
+    for module in ("fastdp._native_ops", "kernels.dispatch"):
+        try:
+            __import__(module)
+        except ImportError as exc:  # a missing extension is not an error
+            if selected_backend() not in ("reference", "auto"):
+                warnings.warn(
+                    f"fastdp: optional backend {module} unavailable ({exc}); "
+                    "falling back to the PyTorch reference",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+
+
+def implementation(op: str, device: torch.device) -> Tuple[str, Callable]:
+    """Return ``(backend name, function)`` that will run ``op`` on ``device``."""
+    forced = selected_backend()
+    if forced != "reference":
+        _load_backends()
+        impls = _REGISTRY.get(op, {})
+        order = (forced,) if forced != "auto" else _AUTO_ORDER.get(device.type, ())
+        for backend in order:
+            fn = impls.get((backend, device.type))
+            if fn is not None:
+                return backend, fn
+    return "reference", _REFERENCE[op]
+
+
+def _call(op: str, device: torch.device, *args, **kwargs):
+    return implementation(op, device)[1](*args, **kwargs)
+
+
+# --------------------------------------------------------------------------- references
+
+
+def linear_sq_norms_ghost_ref(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``sum_{s,t} (a_s . a_t)(g_s . g_t)`` per sample via the two ``T x T`` Gram matrices.
+
+    Accumulates the final contraction in float64: the Gram entries carry float32
+    rounding, but summing ``T^2`` products in float64 loses nothing further.
+    """
+    gram_a = torch.bmm(a, a.transpose(1, 2))
+    gram_g = torch.bmm(g, g.transpose(1, 2))
+    return torch.einsum("bst,bst->b", gram_a.double(), gram_g.double())
+
+
+def linear_sq_norms_direct_ref(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``||g_i^T a_i||_F^2`` per sample by instantiating the ``(p, d)`` per-sample gradients."""
+    per_sample = torch.bmm(g.transpose(1, 2), a)
+    return per_sample.square().sum(dim=(1, 2), dtype=torch.float64)
+
+
+def embedding_sq_norms_ref(
+    ids: torch.Tensor, g: torch.Tensor, padding_idx: Optional[int]
+) -> torch.Tensor:
+    """Per-sample squared norm of an embedding's weight gradient.
+
+    ``ids``: ``(B, T)`` token ids, ``g``: ``(B, T, D)``. The gradient of sample i is
+    ``sum_t onehot(ids_t) g_t^T``; rows of equal ids add up, so the norm is the sum over
+    distinct (sample, id) pairs of ``||sum of their g||^2``. ``padding_idx`` rows get
+    no gradient and are excluded. O(B T D).
+    """
+    batch, seq = ids.shape
+    flat_g = g.reshape(batch * seq, -1)
+    sample = torch.arange(batch, device=ids.device).repeat_interleave(seq)
+    key = sample * (int(ids.max().item()) + 1 if ids.numel() else 1) + ids.reshape(-1)
+    keep = None
+    if padding_idx is not None:
+        keep = ids.reshape(-1) != padding_idx
+        key, flat_g, sample = key[keep], flat_g[keep], sample[keep]
+    uniq, inverse = torch.unique(key, return_inverse=True)
+    sums = flat_g.new_zeros(uniq.numel(), flat_g.shape[1]).index_add_(0, inverse, flat_g)
+    uniq_sample = torch.zeros(uniq.numel(), dtype=torch.long, device=ids.device)
+    uniq_sample.scatter_(0, inverse, sample)
+    out = torch.zeros(batch, dtype=torch.float64, device=ids.device)
+    return out.index_add_(0, uniq_sample, sums.square().sum(1, dtype=torch.float64))
+
+
+def noisy_average_ref(
+    sums: Sequence[torch.Tensor], std: float, divisor: float, seed: int
+) -> List[torch.Tensor]:
+    """``(s + std * z) / divisor`` for every tensor, ``z ~ N(0, I)`` drawn from ``seed``.
+
+    One generator seeded once per call draws the parameters' noise one after another,
+    so streams of distinct parameters and of distinct seeds are independent.
+    """
+    if not sums:
+        return []
+    gen = torch.Generator(device=sums[0].device)
+    gen.manual_seed(seed)
+    out = []
+    for s in sums:
+        if std > 0:
+            z = torch.randn(s.shape, generator=gen, dtype=s.dtype, device=s.device)
+            out.append(s.add(z, alpha=std).div_(divisor))
+        else:
+            out.append(s / divisor)
+    return out
+
+
+_REFERENCE: Dict[str, Callable] = {
+    "linear_sq_norms_ghost": linear_sq_norms_ghost_ref,
+    "linear_sq_norms_direct": linear_sq_norms_direct_ref,
+    "embedding_sq_norms": embedding_sq_norms_ref,
+    "noisy_average": noisy_average_ref,
+}
+
+
+# --------------------------------------------------------------------------- public ops
+
+
+def linear_sq_norms_ghost(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    return _call("linear_sq_norms_ghost", a.device, a, g)
+
+
+def linear_sq_norms_direct(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    return _call("linear_sq_norms_direct", a.device, a, g)
+
+
+def embedding_sq_norms(ids: torch.Tensor, g: torch.Tensor, padding_idx: Optional[int]) -> torch.Tensor:
+    return _call("embedding_sq_norms", g.device, ids, g, padding_idx)
+
+
+def noisy_average(
+    sums: Sequence[torch.Tensor], std: float, divisor: float, seed: int
+) -> List[torch.Tensor]:
+    if not sums:
+        return []
+    return _call("noisy_average", sums[0].device, sums, std, divisor, seed)

@@ -1,0 +1,1 @@
+"""Triton kernels of fastdp (CUDA path), each beside a pure-PyTorch reference."""
