@@ -1,2 +1,19 @@
-"""fastdp: exact per-sample gradient clipping for DP-SGD at almost the cost of a plain step."""
+"""fastdp: exact per-sample gradient clipping for DP-SGD at almost the cost of a plain step.
+
+    optimizer = fastdp.DPOptimizer(torch.optim.AdamW(model.parameters()), module=model,
+                                   noise_multiplier=1.0, max_grad_norm=1.0,
+                                   expected_batch_size=256)
+
+or, Opacus-style, ``model, optimizer, loader = fastdp.make_private(...)``.
+"""
+from fastdp.engine import GradSampleEngine, NonFiniteGradientError
+from fastdp.layers import UnsupportedModuleError
+from fastdp.optimizer import DPOptimizer
+from fastdp.privacy import make_private
+from fastdp.validate import find_problems, fix, validate
+
 __version__ = "0.1.0"
+__all__ = [
+    "DPOptimizer", "GradSampleEngine", "NonFiniteGradientError", "UnsupportedModuleError",
+    "find_problems", "fix", "make_private", "validate",
+]

@@ -1,0 +1,91 @@
+"""Clipping policies: per-sample squared norms in, per-sample coefficients out.
+
+Each policy maps ``{param: (B,) squared norm}`` to ``{param: (B,) coefficient}`` (float64)
+and states its sensitivity: the largest L2 norm one sample's clipped gradient can have,
+which scales the noise (std = noise_multiplier * sensitivity on the sum).
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Mapping, Sequence, Union
+
+import torch
+
+# Added to norms before dividing, so a zero gradient gets coefficient 1, not inf.
+EPS = 1e-6
+
+
+class FlatClipping:
+    """Clip the whole per-sample gradient (all parameters) to norm C: ``min(1, C/(|g_i| + EPS))``."""
+
+    def __init__(self, max_grad_norm: float):
+        self.max_grad_norm = _positive(max_grad_norm, "max_grad_norm")
+
+    @property
+    def sensitivity(self) -> float:
+        return self.max_grad_norm
+
+    def total_norms(self, sq_norms: Mapping[object, torch.Tensor]) -> torch.Tensor:
+        return torch.stack(list(sq_norms.values())).sum(0).sqrt()
+
+    def coefficients(self, sq_norms: Mapping[object, torch.Tensor]) -> Dict[object, torch.Tensor]:
+        coef = (self.max_grad_norm / (self.total_norms(sq_norms) + EPS)).clamp(max=1.0)
+        return {p: coef for p in sq_norms}
+
+
+class AutomaticClipping(FlatClipping):
+    """Automatic clipping (Bu et al. 2023): ``C / (|g_i| + gamma)``; every sample is rescaled."""
+
+    def __init__(self, max_grad_norm: float, gamma: float = 0.01):
+        super().__init__(max_grad_norm)
+        self.gamma = _positive(gamma, "gamma")
+
+    def coefficients(self, sq_norms):
+        coef = self.max_grad_norm / (self.total_norms(sq_norms) + self.gamma)
+        return {p: coef for p in sq_norms}
+
+
+class PerLayerClipping:
+    """Clip each parameter tensor separately to its own bound ``C_p``.
+
+    ``max_grad_norm`` is one float C (each of the P parameters gets ``C / sqrt(P)``, so the
+    total sensitivity stays C) or a sequence with one bound per parameter, in parameter
+    order; the sensitivity is then ``sqrt(sum_p C_p^2)``.
+    """
+
+    def __init__(self, max_grad_norm: Union[float, Sequence[float]], params: Sequence[torch.Tensor]):
+        if isinstance(max_grad_norm, (int, float)):
+            c = _positive(max_grad_norm, "max_grad_norm") / math.sqrt(max(1, len(params)))
+            bounds = [c] * len(params)
+        else:
+            bounds = [_positive(c, "max_grad_norm[i]") for c in max_grad_norm]
+            if len(bounds) != len(params):
+                raise ValueError(
+                    f"per-layer clipping got {len(bounds)} bounds for {len(params)} trainable parameters"
+                )
+        self.bounds = dict(zip(params, bounds))
+
+    @property
+    def sensitivity(self) -> float:
+        return math.sqrt(sum(c * c for c in self.bounds.values()))
+
+    def coefficients(self, sq_norms):
+        return {p: (self.bounds[p] / (n.sqrt() + EPS)).clamp(max=1.0) for p, n in sq_norms.items()}
+
+
+def make_clipping(mode: str, max_grad_norm, params, gamma: float = 0.01):
+    """The policy named ``mode``: "flat" (default), "per_layer" or "automatic"."""
+    if mode == "flat":
+        return FlatClipping(max_grad_norm)
+    if mode == "automatic":
+        return AutomaticClipping(max_grad_norm, gamma)
+    if mode == "per_layer":
+        return PerLayerClipping(max_grad_norm, params)
+    raise ValueError(f"clipping={mode!r}: expected 'flat', 'per_layer' or 'automatic'")
+
+
+def _positive(value, name: str) -> float:
+    value = float(value)
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive finite number, got {value}")
+    return value

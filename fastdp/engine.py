@@ -1,0 +1,244 @@
+"""The engine: hooks a module's layers and turns one backward pass into clipped sums.
+
+Each supported layer's ``forward`` is replaced (on the instance) by its rule's hooked
+forward. During ``loss.backward()`` the hooked layers hand their activations and output
+gradients to the engine and autograd computes no weight gradients. When the whole
+backward pass has finished, an autograd callback
+
+1. computes every trainable parameter's per-sample squared norms (ghost or direct,
+   per layer and per batch),
+2. turns them into clipping coefficients with the clipping policy,
+3. adds ``sum_i c_i * grad_i`` to the parameter's clipped-sum buffer.
+
+Several backward passes before one optimizer step accumulate (virtual steps). A
+parameter used by more than one call (tied weights, a layer applied twice) has its
+per-sample gradients instantiated and summed, so its norm includes the cross terms.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+from fastdp.layers import Record, Tap, UnsupportedModuleError, rule_for
+from fastdp.validate import validate
+
+LOSS_REDUCTIONS = ("mean", "sum")
+NONFINITE_POLICIES = ("raise", "skip")
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """A per-sample gradient contained NaN or Inf."""
+
+
+class GradSampleEngine:
+    """Per-sample clipping for the trainable ``params`` of ``module``.
+
+    Args:
+        module: hooked in place; :meth:`detach` restores it.
+        params: the parameters to privatise (those of the optimizer).
+        clipping: a policy from :mod:`fastdp.clipping`.
+        loss_reduction: "mean" if the loss averages over the batch (per-sample gradients
+            are then the captured ones times the batch size of that backward), or "sum".
+        nonfinite: "raise" on NaN/Inf per-sample gradients, or "skip" to drop those
+            samples' contributions (counted in ``skipped_samples``).
+    """
+
+    def __init__(self, module: nn.Module, params: Sequence[torch.Tensor], clipping,
+                 loss_reduction: str = "mean", nonfinite: str = "raise"):
+        if loss_reduction not in LOSS_REDUCTIONS:
+            raise ValueError(f"loss_reduction={loss_reduction!r}: expected 'mean' or 'sum'")
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"nonfinite={nonfinite!r}: expected 'raise' or 'skip'")
+        self.params = [p for p in params if p.requires_grad]
+        self._private = set(self.params)
+        validate(module, self.params)
+        self.module = module
+        self.clipping = clipping
+        self.loss_reduction = loss_reduction
+        self.nonfinite = nonfinite
+        self.names = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            self.names.setdefault(p, name)
+        self.summed: Dict[torch.Tensor, torch.Tensor] = {}
+        self.samples_seen = 0  # samples clipped since the last take_sums()
+        self.skipped_samples = 0
+        self._pending: List[Record] = []
+        self._callback_queued = False
+        self._owned_grads: Dict[torch.Tensor, tuple] = {}
+        self._patched: List[nn.Module] = []
+        self.adopt_current_grads()
+        self._patch()
+
+    # -- hooks ---------------------------------------------------------------------------
+    def _patch(self) -> None:
+        for module in self.module.modules():
+            rule = rule_for(module)
+            if rule is None or not rule.trainable(module) or "forward" in module.__dict__:
+                continue
+            module.forward = self._hooked_forward(module, rule)
+            self._patched.append(module)
+
+    def _hooked_forward(self, module: nn.Module, rule):
+        plain = type(module).forward.__get__(module)
+
+        def forward(*args, **kwargs):
+            names = rule.trainable(module) if torch.is_grad_enabled() else ()
+            if not names:
+                return plain(*args, **kwargs)
+            return rule.forward(module, Tap(self._record, module, rule, names), *args, **kwargs)
+
+        return forward
+
+    def detach(self) -> None:
+        """Remove every hook: the module behaves as a plain module again."""
+        for module in self._patched:
+            module.__dict__.pop("forward", None)
+        self._patched = []
+        self._pending = []
+
+    def _record(self, rec: Record) -> None:
+        self._pending.append(rec)
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    # -- after each backward pass ---------------------------------------------------------
+    def _finish_backward(self) -> None:
+        records, self._pending, self._callback_queued = self._pending, [], False
+        self._check_foreign_grads()
+        if not records:
+            return
+        batch = self._batch_size(records)
+        scale = float(batch) if self.loss_reduction == "mean" else 1.0
+
+        uses: Dict[torch.Tensor, List[tuple]] = defaultdict(list)
+        for rec in records:
+            for name in rec.names:
+                if rec.param(name) in self._private:
+                    uses[rec.param(name)].append((rec, name))
+        single = {p: u[0] for p, u in uses.items() if len(u) == 1}
+        shared = {p: self._summed_per_sample(u) for p, u in uses.items() if len(u) > 1}
+
+        sq_norms: Dict[torch.Tensor, torch.Tensor] = {}
+        by_record: Dict[int, List[str]] = defaultdict(list)
+        for p, (rec, name) in single.items():
+            by_record[id(rec)].append(name)
+        for rec in records:
+            names = by_record.get(id(rec))
+            if names:
+                for name, norms in rec.rule.sq_norms(rec, names).items():
+                    sq_norms[rec.param(name)] = norms
+        for p, grads in shared.items():
+            sq_norms[p] = grads.flatten(1).square().sum(1, dtype=torch.float64)
+        if scale != 1.0:
+            sq_norms = {p: n * (scale * scale) for p, n in sq_norms.items()}
+
+        bad = self._nonfinite_samples(sq_norms, batch)
+        if bad is not None:
+            sq_norms = {p: torch.where(bad, 0.0, n) for p, n in sq_norms.items()}
+            for rec in records:
+                rec.zero_samples(bad)
+            shared = {p: torch.nan_to_num(g * (~bad).view(-1, *[1] * (g.dim() - 1)), 0.0, 0.0, 0.0)
+                      for p, g in shared.items()}
+
+        coefs = self.clipping.coefficients(sq_norms)
+        if bad is not None:
+            coefs = {p: torch.where(bad, 0.0, c) for p, c in coefs.items()}
+        coefs = {p: c * scale for p, c in coefs.items()}
+
+        for rec in records:
+            names = by_record.get(id(rec))
+            if names:
+                sums = rec.rule.clipped_sums(rec, {n: coefs[rec.param(n)] for n in names})
+                for name, s in sums.items():
+                    self._accumulate(rec.param(name), s)
+        for p, grads in shared.items():
+            self._accumulate(p, torch.einsum("b,b...->...", coefs[p].to(grads.dtype), grads))
+        self.samples_seen += batch
+
+    @staticmethod
+    def _summed_per_sample(uses) -> torch.Tensor:
+        total = None
+        for rec, name in uses:
+            g = rec.rule.per_sample_grads(rec, [name])[name]
+            total = g if total is None else total + g
+        return total
+
+    def _batch_size(self, records: List[Record]) -> int:
+        sizes = {rec.batch_size for rec in records}
+        if len(sizes) > 1:
+            seen = ", ".join(f"{self._module_name(r.module)}: {r.batch_size}" for r in records)
+            raise UnsupportedModuleError(
+                f"layers saw different batch sizes in one backward pass ({seen}); fastdp "
+                "takes dim 0 of every layer input as the batch dimension (use batch_first=True "
+                "layouts, or permute inputs so the batch comes first)"
+            )
+        return sizes.pop()
+
+    def _nonfinite_samples(self, sq_norms, batch: int) -> Optional[torch.Tensor]:
+        finite = torch.ones(batch, dtype=torch.bool)
+        for norms in sq_norms.values():
+            finite &= torch.isfinite(norms).cpu()
+        if bool(finite.all()):
+            return None
+        bad = (~finite).nonzero().flatten().tolist()
+        if self.nonfinite == "raise":
+            params = [self.names.get(p, "?") for p, n in sq_norms.items() if not bool(torch.isfinite(n).all())]
+            raise NonFiniteGradientError(
+                f"non-finite per-sample gradient for sample(s) {bad[:10]} of the batch in "
+                f"parameter(s) {params[:5]}; check the inputs and loss of those samples, or pass "
+                "nonfinite='skip' to drop their contributions (counted in skipped_samples)"
+            )
+        self.skipped_samples += len(bad)
+        return (~finite).to(next(iter(sq_norms.values())).device)
+
+    def _accumulate(self, p: torch.Tensor, s: torch.Tensor) -> None:
+        s = s.to(p.dtype).view_as(p)
+        if p in self.summed:
+            self.summed[p].add_(s)
+        else:
+            self.summed[p] = s.clone() if s._base is not None else s
+
+    def _module_name(self, module: nn.Module) -> str:
+        for name, m in self.module.named_modules():
+            if m is module:
+                return f"'{name or '<root>'}'"
+        return type(module).__name__
+
+    # -- gradients written outside the engine ----------------------------------------------
+    def adopt_current_grads(self) -> None:
+        """Take the parameters' present ``.grad`` tensors as the engine's own (after a step)."""
+        self._owned_grads = {p: (p.grad, p.grad._version) for p in self.params if p.grad is not None}
+
+    def _check_foreign_grads(self) -> None:
+        """Autograd never writes ``.grad`` of a hooked parameter: a new or changed one means the
+        parameter was used outside its layer's forward, where fastdp cannot clip it."""
+        for p in self.params:
+            grad = p.grad
+            if grad is None:
+                continue
+            owned = self._owned_grads.get(p)
+            if owned is not None and owned[0] is grad and (owned[1] == grad._version or not grad.any()):
+                continue
+            name = self.names.get(p, "?")
+            raise UnsupportedModuleError(
+                f"parameter '{name}' received a gradient from outside its layer's forward (e.g. "
+                f"F.linear(x, module.weight) or module.weight used directly), which fastdp cannot "
+                "clip per sample; call the module itself instead of reading its parameters"
+            )
+
+    # -- for the optimizer -----------------------------------------------------------------
+    def take_sums(self) -> List[torch.Tensor]:
+        """Clipped sums of all parameters (zeros where nothing was seen), and reset."""
+        sums = [self.summed.pop(p, None) for p in self.params]
+        sums = [torch.zeros_like(p) if s is None else s for p, s in zip(self.params, sums)]
+        self.summed.clear()
+        self.samples_seen = 0
+        return sums
+
+    def clear(self) -> None:
+        self.summed.clear()
+        self.samples_seen = 0

@@ -1,0 +1,34 @@
+"""Layer rules: one module per layer family, each mapping layer types to a :class:`LayerRule`.
+
+``rule_for(module)`` looks a module's exact type up (a subclass may change ``forward``, so
+it must be registered on its own). Register a rule for your own layer with
+``fastdp.layers.register(MyRule())``.
+"""
+from typing import Dict, Optional
+
+from torch import nn
+
+from fastdp.layers.base import LayerRule, Record, Tap, UnsupportedModuleError
+
+_RULES: Dict[type, LayerRule] = {}
+
+
+def register(rule: LayerRule) -> LayerRule:
+    """Make ``rule`` handle every type in ``rule.module_types``."""
+    for module_type in rule.module_types:
+        _RULES[module_type] = rule
+    return rule
+
+
+def rule_for(module: nn.Module) -> Optional[LayerRule]:
+    return _RULES.get(type(module))
+
+
+def supported_types():
+    return tuple(_RULES)
+
+
+# Importing the families registers their rules.
+from fastdp.layers import conv, embedding, linear, norm  # noqa: E402,F401
+
+__all__ = ["LayerRule", "Record", "Tap", "UnsupportedModuleError", "register", "rule_for", "supported_types"]

@@ -1,0 +1,113 @@
+"""What a layer rule is, and the record a hooked layer leaves behind after a backward pass.
+
+A rule runs its module's forward through a custom autograd Function that saves what the
+per-sample math needs (the *activation*) and, in backward, returns only the input
+gradient: autograd never computes the (unclipped) weight gradient. When the output
+gradient arrives, the Function hands ``(activation, grad_output)`` to the engine as a
+:class:`Record`; after the whole backward pass the engine asks each rule for
+
+* ``sq_norms``: per-sample squared gradient norms, float64, ``(B,)`` per parameter;
+* ``per_sample_grads``: instantiated per-sample gradients ``(B, *param.shape)``, used
+  where one parameter gets several contributions (tied weights, a layer called twice);
+* ``clipped_sums``: ``sum_i coef_i * grad_i`` per parameter ("book-keeping").
+
+Gradients here are those of the loss as the user reduced it; the engine rescales
+(``loss_reduction="mean"`` multiplies per-sample gradients by the batch size).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, Tuple
+
+import torch
+from torch import nn
+
+# Per-sample tensors larger than this many elements are processed in batch chunks.
+CHUNK_ELEMENTS = 1 << 24
+
+
+class UnsupportedModuleError(ValueError):
+    """A module (or its configuration) whose per-sample gradients fastdp cannot clip exactly."""
+
+
+@dataclass
+class Record:
+    """One call of a hooked module, seen in one backward pass."""
+
+    module: nn.Module
+    rule: "LayerRule"
+    names: Tuple[str, ...]  # trainable parameters this call used
+    activation: Any
+    grad_output: torch.Tensor
+    cache: Dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return self.grad_output.shape[0]
+
+    def param(self, name: str) -> nn.Parameter:
+        return getattr(self.module, name)
+
+    def zero_samples(self, mask: torch.Tensor) -> None:
+        """Zero every per-sample tensor of the samples in boolean ``mask`` (dropped samples)."""
+        keep = (~mask).to(self.grad_output.dtype).view(-1, *([1] * (self.grad_output.dim() - 1)))
+        self.grad_output = torch.nan_to_num(self.grad_output * keep, 0.0, 0.0, 0.0)
+        if torch.is_floating_point(self.activation):
+            keep = keep.view(-1, *([1] * (self.activation.dim() - 1))).to(self.activation.dtype)
+            self.activation = torch.nan_to_num(self.activation * keep, 0.0, 0.0, 0.0)
+        self.cache = {k: torch.nan_to_num(v, 0.0, 0.0, 0.0) for k, v in self.cache.items()}
+
+
+class Tap:
+    """Created per forward call; the Function's backward calls :meth:`fire` with what it saw."""
+
+    __slots__ = ("sink", "module", "rule", "names")
+
+    def __init__(self, sink: Callable[[Record], None], module: nn.Module, rule: "LayerRule", names):
+        self.sink, self.module, self.rule, self.names = sink, module, rule, names
+
+    def fire(self, activation: Any, grad_output: torch.Tensor) -> None:
+        self.sink(Record(self.module, self.rule, self.names, activation, grad_output))
+
+
+class LayerRule:
+    """Per-sample gradient rule for one family of layers; subclasses set ``module_types``."""
+
+    module_types: Tuple[type, ...] = ()
+    param_names: Tuple[str, ...] = ("weight", "bias")
+
+    def check(self, module: nn.Module) -> None:
+        """Raise :class:`UnsupportedModuleError` for configurations the rule cannot handle."""
+
+    def trainable(self, module: nn.Module) -> Tuple[str, ...]:
+        return tuple(
+            n
+            for n in self.param_names
+            if isinstance(getattr(module, n, None), torch.Tensor) and getattr(module, n).requires_grad
+        )
+
+    def forward(self, module: nn.Module, tap: Tap, *args, **kwargs) -> torch.Tensor:
+        raise NotImplementedError
+
+    def sq_norms(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
+        grads = self.per_sample_grads(rec, names)
+        return {n: g.flatten(1).square().sum(1, dtype=torch.float64) for n, g in grads.items()}
+
+    def per_sample_grads(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def clipped_sums(self, rec: Record, coefs: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        """``sum_i coefs[name]_i * grad_i`` for each name in ``coefs`` (coefs: float64 ``(B,)``)."""
+        grads = self.per_sample_grads(rec, coefs.keys())
+        return {n: torch.einsum("b,b...->...", coefs[n].to(g.dtype), g) for n, g in grads.items()}
+
+
+def batch_chunks(batch: int, per_sample_elements: int) -> Iterable[slice]:
+    """Slices of the batch such that each chunk holds at most ~``CHUNK_ELEMENTS`` elements."""
+    step = max(1, CHUNK_ELEMENTS // max(1, per_sample_elements))
+    return (slice(i, min(i + step, batch)) for i in range(0, batch, step))
+
+
+def expand_like(coef: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``coef`` (B,) viewed to broadcast over ``x`` (B, ...), in ``x``'s dtype."""
+    return coef.to(x.dtype).view(-1, *([1] * (x.dim() - 1)))

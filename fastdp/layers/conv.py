@@ -1,0 +1,201 @@
+"""``nn.Conv1d/2d/3d`` with any stride, padding (int, tuple, "same", "valid", non-zero
+padding modes), dilation and groups (depthwise included).
+
+Padding that is not a symmetric zero pad is applied with ``F.pad`` before the hooked
+convolution, so autograd carries the input gradient through it and the rule only sees
+``padding`` as explicit zeros.
+
+Per-sample weight gradients, per group g: ``G_i = g_i^T a_i`` where ``a_i`` is the unfolded
+input (T = output positions, d = C_in/groups * prod(kernel)) and ``g_i`` the output gradient
+(p = C_out/groups). A grouped weight is block diagonal, so the norm is taken per group and
+summed; never as one dense matrix. Two routes, chosen per call by flops as for Linear:
+
+* direct: all per-sample gradients at once as ONE grouped convolution backward, the batch
+  folded into the group dimension; no unfold;
+* ghost: unfold (``prod(kernel)`` times the input) and the linear ghost norm per group.
+"""
+from __future__ import annotations
+
+import math
+from typing import Dict, Iterable, List, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastdp.layers import register
+from fastdp.layers.base import LayerRule, Record, Tap, UnsupportedModuleError, batch_chunks, expand_like
+from fastdp.layers.linear import ghost_is_cheaper, sq_norms_3d
+
+_CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+class ConvSpec:
+    """Geometry of one hooked convolution call (padding already explicit and symmetric)."""
+
+    __slots__ = ("stride", "padding", "dilation", "groups", "kernel")
+
+    def __init__(self, stride, padding, dilation, groups, kernel):
+        self.stride, self.padding, self.dilation = list(stride), list(padding), list(dilation)
+        self.groups, self.kernel = groups, list(kernel)
+
+
+def _convolution_backward(grad_out, x, weight_shape, spec: ConvSpec, groups, mask):
+    """aten's convolution backward; ``weight_shape`` only matters for the weight gradient's shape."""
+    dummy = grad_out.new_empty(1).expand(*weight_shape)
+    return torch.ops.aten.convolution_backward(
+        grad_out, x, dummy, None, spec.stride, spec.padding, spec.dilation,
+        False, [0] * len(spec.stride), groups, mask,
+    )
+
+
+class _ConvFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, spec: ConvSpec, tap):
+        ctx.save_for_backward(x, weight)
+        ctx.spec, ctx.tap = spec, tap
+        conv = _CONV_FN[x.dim() - 2]
+        return conv(x, weight, bias, spec.stride, spec.padding, spec.dilation, spec.groups)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        ctx.tap.fire((x, ctx.spec), grad_out)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            spec = ctx.spec
+            grad_x = torch.ops.aten.convolution_backward(
+                grad_out, x, weight.to(grad_out.dtype), None, spec.stride, spec.padding,
+                spec.dilation, False, [0] * len(spec.stride), spec.groups, [True, False, False],
+            )[0]
+        return grad_x, None, None, None, None
+
+
+def _same_padding(module) -> Tuple[List[int], List[int]]:
+    """(left, right) zero padding per spatial dim that PyTorch's padding='same' applies."""
+    total = [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size)]
+    left = [t // 2 for t in total]
+    return left, [t - l for t, l in zip(total, left)]
+
+
+def _unfold(x: torch.Tensor, spec: ConvSpec) -> torch.Tensor:
+    """(B, C, *S) -> (B, C * prod(k), T): patches as columns, any spatial rank, via an identity conv."""
+    batch, channels = x.shape[:2]
+    nk = math.prod(spec.kernel)
+    eye = torch.eye(nk, dtype=x.dtype, device=x.device).view(nk, 1, *spec.kernel)
+    cols = _CONV_FN[len(spec.kernel)](
+        x.reshape(batch * channels, 1, *x.shape[2:]), eye, None, spec.stride, spec.padding, spec.dilation
+    )
+    return cols.reshape(batch, channels * nk, -1)
+
+
+class ConvRule(LayerRule):
+    module_types = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+    def forward(self, module, tap: Tap, x: torch.Tensor) -> torch.Tensor:
+        nd = len(module.kernel_size)
+        if x.dim() != nd + 2:
+            raise UnsupportedModuleError(
+                f"{type(module).__name__} got an input of shape {tuple(x.shape)}: fastdp needs a "
+                f"batched input (B, C, {', '.join('S' * nd)}); add the batch dimension with x.unsqueeze(0)"
+            )
+        padding = module.padding
+        if module.padding_mode != "zeros":
+            x = F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode)
+            padding = [0] * nd
+        elif padding == "valid":
+            padding = [0] * nd
+        elif padding == "same":
+            left, right = _same_padding(module)
+            if left != right:
+                pads = [v for l, r in zip(reversed(left), reversed(right)) for v in (l, r)]
+                x = F.pad(x, pads)
+                left = [0] * nd
+            padding = left
+        spec = ConvSpec(module.stride, padding, module.dilation, module.groups, module.kernel_size)
+        return _ConvFn.apply(x, module.weight, module.bias, spec, tap)
+
+    # -- per-sample math ---------------------------------------------------------------
+    @staticmethod
+    def _shapes(rec: Record):
+        x, spec = rec.activation
+        weight = rec.param("weight") if hasattr(rec.module, "weight") else None
+        return x, spec, weight
+
+    def _per_sample_weight(self, x, g, spec: ConvSpec, weight_shape) -> torch.Tensor:
+        """(B, C_out, C_in/groups, *k) per-sample weight gradients via one grouped conv backward."""
+        batch = x.shape[0]
+        c_out = weight_shape[0]
+        if batch == 0:
+            return g.new_zeros(0, *weight_shape)
+        folded = _convolution_backward(
+            g.reshape(1, batch * c_out, *g.shape[2:]),
+            x.to(g.dtype).reshape(1, batch * x.shape[1], *x.shape[2:]),
+            (batch * c_out, *weight_shape[1:]), spec, batch * spec.groups, [False, True, False],
+        )[1]
+        return folded.view(batch, *weight_shape)
+
+    def _weight_sq_norms(self, rec: Record) -> torch.Tensor:
+        x, spec, weight = self._shapes(rec)
+        g = rec.grad_output
+        batch, groups = x.shape[0], spec.groups
+        seq = math.prod(g.shape[2:])
+        d = weight.shape[1] * math.prod(spec.kernel)
+        p = weight.shape[0] // groups
+        out = []
+        if ghost_is_cheaper(seq, d, p):
+            for c in batch_chunks(batch, groups * (d * seq + 2 * seq * seq)):
+                cols = _unfold(x[c].to(g.dtype), spec)  # (b, C_in*k, T)
+                b = cols.shape[0]
+                a = cols.view(b * groups, d, seq).transpose(1, 2)
+                gg = g[c].reshape(b * groups, p, seq).transpose(1, 2)
+                out.append(sq_norms_3d(a, gg).view(b, groups).sum(1))
+        else:
+            for c in batch_chunks(batch, weight.numel()):
+                psg = self._per_sample_weight(x[c], g[c], spec, weight.shape)
+                if c.start == 0 and c.stop == batch:
+                    rec.cache["weight"] = psg  # reused by clipped_sums: no second convolution
+                out.append(psg.flatten(1).square().sum(1, dtype=torch.float64))
+        return torch.cat(out) if out else g.new_zeros(0, dtype=torch.float64)
+
+    def sq_norms(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
+        out = {}
+        for name in names:
+            if name == "weight":
+                out[name] = self._weight_sq_norms(rec)
+            else:
+                out[name] = rec.grad_output.flatten(2).sum(2).square().sum(1, dtype=torch.float64)
+        return out
+
+    def per_sample_grads(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
+        x, spec, weight = self._shapes(rec)
+        g = rec.grad_output
+        out = {}
+        for name in names:
+            if name == "weight":
+                out[name] = rec.cache.get("weight")
+                if out[name] is None:
+                    out[name] = self._per_sample_weight(x, g, spec, weight.shape)
+            else:
+                out[name] = g.flatten(2).sum(2)
+        return out
+
+    def clipped_sums(self, rec: Record, coefs: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        x, spec, weight = self._shapes(rec)
+        g = rec.grad_output
+        out = {}
+        if "weight" in coefs:
+            cached = rec.cache.get("weight")
+            if cached is not None:
+                out["weight"] = torch.einsum("b,b...->...", coefs["weight"].to(cached.dtype), cached)
+            else:
+                scaled = g * expand_like(coefs["weight"], g)
+                out["weight"] = _convolution_backward(
+                    scaled, x.to(g.dtype), weight.shape, spec, spec.groups, [False, True, False]
+                )[1]
+        if "bias" in coefs:
+            out["bias"] = coefs["bias"].to(g.dtype) @ g.flatten(2).sum(2)
+        return out
+
+
+register(ConvRule())

@@ -1,0 +1,105 @@
+"""``nn.Linear`` on inputs ``(B, *, d)``: the middle dimensions are flattened into T.
+
+Per-sample weight gradient of sample i: ``g_i^T a_i`` (p x d), with ``a_i``: (T, d) and
+``g_i``: (T, p). Its squared norm comes from one of two routes, chosen per call by flops:
+
+* ghost: ``sum_{s,t} (a_s . a_t)(g_s . g_t)``, ~T^2 (d + p) per sample;
+* direct: instantiate ``g_i^T a_i``, ~T d p per sample;
+
+so ghost when ``T (d + p) < d p``. T = 1 reduces to ``|a_i|^2 |g_i|^2``. The clipped sum
+is one GEMM on coefficient-scaled rows, the same cost as the gradient autograd skipped.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastdp import ops
+from fastdp.layers import register
+from fastdp.layers.base import LayerRule, Record, Tap, UnsupportedModuleError, batch_chunks, expand_like
+
+
+class _LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, tap):
+        ctx.save_for_backward(x, weight)
+        ctx.tap = tap
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        ctx.tap.fire(x, grad_out)
+        grad_x = grad_out.matmul(weight.to(grad_out.dtype)) if ctx.needs_input_grad[0] else None
+        return grad_x, None, None, None
+
+
+def ghost_is_cheaper(seq: int, d: int, p: int) -> bool:
+    """Flop rule for one per-sample norm: ghost ~T^2(d+p), direct ~T d p."""
+    return seq * (d + p) < d * p
+
+
+def sq_norms_3d(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Per-sample ``|g_i^T a_i|_F^2`` for ``a``: (B, T, d), ``g``: (B, T, p); float64 (B,)."""
+    batch, seq, d = a.shape
+    p = g.shape[-1]
+    if seq == 1:
+        return a.square().sum((1, 2), dtype=torch.float64) * g.square().sum((1, 2), dtype=torch.float64)
+    ghost = ghost_is_cheaper(seq, d, p)
+    op = ops.linear_sq_norms_ghost if ghost else ops.linear_sq_norms_direct
+    per_sample = 2 * seq * seq if ghost else d * p
+    if batch == 0:
+        return a.new_zeros(0, dtype=torch.float64)
+    return torch.cat([op(a[c], g[c]) for c in batch_chunks(batch, per_sample)])
+
+
+def as_3d(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(x.shape[0], -1, x.shape[-1])
+
+
+class LinearRule(LayerRule):
+    module_types = (nn.Linear,)
+
+    def forward(self, module: nn.Linear, tap: Tap, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() < 2:
+            raise UnsupportedModuleError(
+                f"{type(module).__name__} got an input of shape {tuple(x.shape)}: fastdp needs "
+                "a leading batch dimension (B, ..., in_features); add one with x.unsqueeze(0)"
+            )
+        return _LinearFn.apply(x, module.weight, module.bias, tap)
+
+    def sq_norms(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
+        a, g = as_3d(rec.activation), as_3d(rec.grad_output)
+        out = {}
+        for name in names:
+            if name == "weight":
+                out[name] = sq_norms_3d(a, g)
+            else:
+                out[name] = g.sum(1).square().sum(1, dtype=torch.float64)
+        return out
+
+    def per_sample_grads(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
+        a, g = as_3d(rec.activation), as_3d(rec.grad_output)
+        grads = {"weight": lambda: torch.bmm(g.transpose(1, 2), a.to(g.dtype)), "bias": lambda: g.sum(1)}
+        return {name: grads[name]() for name in names}
+
+    def clipped_sums(self, rec: Record, coefs: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+        a, g = as_3d(rec.activation), as_3d(rec.grad_output)
+        out = {}
+        if "weight" in coefs:
+            a2, g2 = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
+            c = expand_like(coefs["weight"], a).expand(-1, a.shape[1], 1).reshape(-1, 1)
+            # Scale the narrower of the two operands.
+            if a2.shape[1] <= g2.shape[1]:
+                out["weight"] = g2.t().mm((a2 * c.to(a2.dtype)).to(g2.dtype))
+            else:
+                out["weight"] = (g2 * c.to(g2.dtype)).t().mm(a2.to(g2.dtype))
+        if "bias" in coefs:
+            out["bias"] = coefs["bias"].to(g.dtype) @ g.sum(1)
+        return out
+
+
+register(LinearRule())

@@ -1,0 +1,123 @@
+"""Normalisation layers with an elementwise affine: LayerNorm, RMSNorm, GroupNorm, InstanceNorm.
+
+The parameter-free normalisation runs in plain autograd; only the affine map
+``y = x_hat * weight + bias`` is hooked. Per-sample gradients are cheap to instantiate:
+weight: ``x_hat * g`` summed over the positions that share a weight entry; bias: ``g`` summed.
+
+* LayerNorm / RMSNorm: parameters cover the trailing ``normalized_shape`` dims;
+* GroupNorm / InstanceNorm: one parameter per channel (dim 1).
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastdp.layers import register
+from fastdp.layers.base import LayerRule, Record, Tap, UnsupportedModuleError
+
+
+def _param_view(param: torch.Tensor, x: torch.Tensor, channel_dim: bool) -> torch.Tensor:
+    if channel_dim:
+        return param.view(1, -1, *([1] * (x.dim() - 2)))
+    return param
+
+
+class _AffineFn(torch.autograd.Function):
+    """``y = x_hat * w + b`` with w, b either trailing-shaped or per channel (dim 1)."""
+
+    @staticmethod
+    def forward(ctx, x_hat, weight, bias, channel_dim, tap):
+        ctx.save_for_backward(x_hat, weight)
+        ctx.channel_dim, ctx.tap = channel_dim, tap
+        y = x_hat
+        if weight is not None:
+            y = y * _param_view(weight, x_hat, channel_dim)
+        if bias is not None:
+            y = y + _param_view(bias, x_hat, channel_dim)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_hat, weight = ctx.saved_tensors
+        ctx.tap.fire((x_hat, ctx.channel_dim), grad_out)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grad_out if weight is None else grad_out * _param_view(weight, x_hat, ctx.channel_dim)
+        return grad_x, None, None, None, None
+
+
+def _reduce_to_param(t: torch.Tensor, channel_dim: bool, param_shape) -> torch.Tensor:
+    """Sum a per-sample (B, ...) tensor down to (B, *param_shape)."""
+    if channel_dim:
+        return t.reshape(t.shape[0], t.shape[1], -1).sum(2)
+    return t.reshape(t.shape[0], -1, *param_shape).sum(1)
+
+
+class _AffineNormRule(LayerRule):
+    channel_dim = False
+
+    def normalize(self, module, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, module, tap: Tap, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() < 2:
+            raise UnsupportedModuleError(
+                f"{type(module).__name__} got an input of shape {tuple(x.shape)}: fastdp needs a batch dimension"
+            )
+        x_hat = self.normalize(module, x)
+        return _AffineFn.apply(x_hat, module.weight, getattr(module, "bias", None), self.channel_dim, tap)
+
+    def per_sample_grads(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
+        x_hat, channel_dim = rec.activation
+        g = rec.grad_output
+        out = {}
+        for name in names:
+            shape = rec.param(name).shape
+            source = g * x_hat.to(g.dtype) if name == "weight" else g
+            out[name] = _reduce_to_param(source, channel_dim, shape)
+        return out
+
+
+class LayerNormRule(_AffineNormRule):
+    module_types = (nn.LayerNorm,)
+
+    def normalize(self, module, x):
+        return F.layer_norm(x, module.normalized_shape, None, None, module.eps)
+
+
+class RMSNormRule(_AffineNormRule):
+    module_types = (nn.RMSNorm,)
+    param_names = ("weight",)
+
+    def normalize(self, module, x):
+        return F.rms_norm(x, module.normalized_shape, None, module.eps)
+
+
+class GroupNormRule(_AffineNormRule):
+    module_types = (nn.GroupNorm,)
+    channel_dim = True
+
+    def normalize(self, module, x):
+        return F.group_norm(x, module.num_groups, None, None, module.eps)
+
+
+class InstanceNormRule(_AffineNormRule):
+    module_types = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+    channel_dim = True
+
+    def check(self, module) -> None:
+        if module.track_running_stats:
+            raise UnsupportedModuleError(
+                "track_running_stats=True accumulates statistics over samples without noise; "
+                "set track_running_stats=False (fastdp.fix(model) does this)"
+            )
+
+    def normalize(self, module, x):
+        return F.instance_norm(x, None, None, None, None, True, 0.0, module.eps)
+
+
+for _rule in (LayerNormRule(), RMSNormRule(), GroupNormRule(), InstanceNormRule()):
+    register(_rule)

@@ -1,0 +1,183 @@
+"""``DPOptimizer``: DP-SGD around any ``torch.optim`` optimizer; the training loop is unchanged.
+
+Conventions (DP-SGD, Abadi et al. 2016, as Opacus states them):
+
+* each sample's gradient is clipped to norm ``max_grad_norm`` (C);
+* Gaussian noise of std ``noise_multiplier * C`` (sigma C) is added to the SUM of the
+  clipped gradients, once per optimizer step, fresh every step;
+* the noisy sum is divided by ``expected_batch_size``: under Poisson sampling the
+  expected batch size q N, never the actual one (dividing by it would leak it).
+
+``step()`` writes that average into ``p.grad`` and runs the wrapped optimizer. Several
+``backward()`` calls before one ``step()`` accumulate clipped sums (virtual steps): the
+noise is added once per step. After ``backward()`` and before ``step()``, ``p.grad`` is not
+populated: autograd skips the unclipped weight gradients entirely.
+"""
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from typing import Callable, List, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from fastdp import ops
+from fastdp.clipping import make_clipping
+from fastdp.engine import GradSampleEngine
+
+
+class DPOptimizer(torch.optim.Optimizer):
+    """Wraps ``optimizer`` so that each ``step()`` is a DP-SGD step.
+
+    Args:
+        optimizer: any ``torch.optim`` optimizer over (a subset of) ``module``'s parameters.
+        module: hooked in place; ``detach()`` restores it.
+        noise_multiplier: sigma; noise std on the summed gradient is ``sigma * C``.
+        max_grad_norm: C (per-layer clipping: one float, or one bound per parameter).
+        expected_batch_size: the divisor of the noisy sum (Poisson: q * dataset size).
+        loss_reduction: "mean" or "sum", how the loss reduces over the batch.
+        clipping: "flat" (default), "per_layer" or "automatic" (Bu et al., ``C/(|g|+gamma)``).
+        nonfinite: "raise" (default) or "skip" samples whose gradient has NaN/Inf.
+        seed: seeds the noise for reproducible runs; ``None`` draws one from OS entropy.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        module: nn.Module,
+        noise_multiplier: float,
+        max_grad_norm: Union[float, Sequence[float]],
+        expected_batch_size: int,
+        loss_reduction: str = "mean",
+        clipping: str = "flat",
+        gamma: float = 0.01,
+        nonfinite: str = "raise",
+        seed: Optional[int] = None,
+    ):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not (noise_multiplier >= 0 and noise_multiplier < float("inf")):
+            raise ValueError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier}")
+        if not (isinstance(expected_batch_size, (int, float)) and expected_batch_size > 0):
+            raise ValueError(
+                f"expected_batch_size must be > 0 (Poisson sampling: sample_rate * dataset size), "
+                f"got {expected_batch_size}"
+            )
+        # torch.optim.Optimizer.__init__ is not called: state and groups are the wrapped ones.
+        self.original_optimizer = optimizer
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self.noise_multiplier = float(noise_multiplier)
+        self.expected_batch_size = expected_batch_size
+        self.loss_reduction = loss_reduction
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        self.clipping = make_clipping(clipping, max_grad_norm, params, gamma)
+        self.max_grad_norm = max_grad_norm
+        self.engine = GradSampleEngine(module, params, self.clipping, loss_reduction, nonfinite)
+        self._seeds = torch.Generator()
+        self._seeds.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+        self.steps = 0
+        self._step_hooks: List[Callable[["DPOptimizer"], None]] = []
+        self.accountant = None
+
+    # -- what torch.optim.Optimizer users and LR schedulers read --------------------------
+    @property
+    def param_groups(self):
+        return self.original_optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.original_optimizer.state
+
+    @property
+    def defaults(self):
+        return self.original_optimizer.defaults
+
+    def add_param_group(self, param_group) -> None:
+        raise NotImplementedError("fastdp: create a new DPOptimizer to privatise more parameters")
+
+    def __repr__(self) -> str:
+        return (f"DPOptimizer(noise_multiplier={self.noise_multiplier}, max_grad_norm="
+                f"{self.max_grad_norm}, expected_batch_size={self.expected_batch_size}, "
+                f"inner={self.original_optimizer!r})")
+
+    # -- DP-SGD ----------------------------------------------------------------------------
+    @property
+    def noise_std(self) -> float:
+        """Std of the Gaussian noise on the summed clipped gradient: sigma times the sensitivity."""
+        return self.noise_multiplier * self.clipping.sensitivity
+
+    @property
+    def skipped_samples(self) -> int:
+        return self.engine.skipped_samples
+
+    def attach_step_hook(self, hook: Callable[["DPOptimizer"], None]) -> None:
+        """Call ``hook(self)`` after every step (the accountant records steps this way)."""
+        self._step_hooks.append(hook)
+
+    def attach_accountant(self, accountant, sample_rate: float) -> None:
+        """Record every step with ``accountant`` at this optimizer's sigma and ``sample_rate``."""
+        self.accountant = accountant
+        self.sample_rate = float(sample_rate)
+        self.attach_step_hook(
+            lambda opt: accountant.step(noise_multiplier=opt.noise_multiplier, sample_rate=opt.sample_rate)
+        )
+
+    def epsilon(self, delta: float) -> float:
+        """Privacy spent so far, from the attached accountant."""
+        if getattr(self, "accountant", None) is None:
+            raise RuntimeError("no accountant attached: use fastdp.make_private or attach_accountant")
+        return self.accountant.epsilon(delta)
+
+    def next_seed(self) -> int:
+        return int(torch.randint(0, 2**62, (1,), generator=self._seeds).item())
+
+    def privatise_grads(self) -> None:
+        """Write ``(sum of clipped grads + N(0, (sigma C)^2)) / expected_batch_size`` into ``.grad``."""
+        params = self.engine.params
+        grads = ops.noisy_average(self.engine.take_sums(), self.noise_std,
+                                  float(self.expected_batch_size), self.next_seed())
+        for p, g in zip(params, grads):
+            p.grad = g
+        self.engine.adopt_current_grads()
+
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.privatise_grads()
+        self.original_optimizer.step()
+        self.steps += 1
+        for hook in self._step_hooks:
+            hook(self)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the wrapped optimizer's gradients and drop clipped sums not yet stepped."""
+        self.original_optimizer.zero_grad(set_to_none)
+        self.engine.clear()
+        self.engine.adopt_current_grads()
+
+    def detach(self) -> None:
+        """Remove every hook from the module; this optimizer can no longer step privately."""
+        self.engine.detach()
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def state_dict(self):
+        return {
+            "optimizer": self.original_optimizer.state_dict(),
+            "steps": self.steps,
+            "noise_seed_state": self._seeds.get_state(),
+        }
+
+    def load_state_dict(self, state_dict) -> None:
+        self.original_optimizer.load_state_dict(state_dict["optimizer"])
+        self.steps = state_dict["steps"]
+        self._seeds.set_state(state_dict["noise_seed_state"])

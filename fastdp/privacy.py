@@ -1,0 +1,74 @@
+"""``make_private``: the one-call switch from a non-private training set-up (Opacus-style)."""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Optional, Tuple
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from fastdp.data import poisson_loader
+from fastdp.optimizer import DPOptimizer
+
+
+def make_private(
+    *,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data_loader: DataLoader,
+    max_grad_norm: float,
+    noise_multiplier: Optional[float] = None,
+    target_epsilon: Optional[float] = None,
+    target_delta: Optional[float] = None,
+    epochs: Optional[float] = None,
+    poisson_sampling: bool = True,
+    accountant: str = "pld",
+    seed: Optional[int] = None,
+    **optimizer_kwargs,
+) -> Tuple[nn.Module, DPOptimizer, DataLoader]:
+    """Return ``(module, optimizer, data_loader)`` ready for DP-SGD.
+
+    The sample rate is ``q = data_loader.batch_size / len(dataset)``; the expected batch
+    size ``q N`` divides the noisy sum. Give either ``noise_multiplier`` or
+    ``target_epsilon`` + ``target_delta`` + ``epochs`` (sigma is then calibrated with
+    ``accountant`` for ``ceil(epochs / q)`` steps). The returned optimizer carries the
+    accountant: ``optimizer.accountant.epsilon(delta)`` or ``optimizer.epsilon(delta)``.
+
+    ``poisson_sampling=False`` keeps the loader's shuffled fixed-size batches, which the
+    Poisson-subsampled Gaussian analysis does NOT cover: the epsilon reported is then
+    not a proven guarantee.
+    """
+    from fastdp import accounting
+
+    dataset_size = len(data_loader.dataset)
+    batch_size = data_loader.batch_size
+    if not batch_size or dataset_size == 0:
+        raise ValueError("make_private needs a data loader with a batch_size over a non-empty dataset")
+    sample_rate = batch_size / dataset_size
+    steps_per_epoch = max(1, round(1 / sample_rate))
+    if (noise_multiplier is None) == (target_epsilon is None):
+        raise ValueError("give exactly one of noise_multiplier or target_epsilon (with target_delta, epochs)")
+    if target_epsilon is not None:
+        if target_delta is None or epochs is None:
+            raise ValueError("target_epsilon needs target_delta and epochs to calibrate the noise")
+        steps = int(math.ceil(epochs * steps_per_epoch))
+        noise_multiplier = accounting.calibrate_noise(
+            target_epsilon=target_epsilon, delta=target_delta, sample_rate=sample_rate,
+            steps=steps, accountant=accountant,
+        )
+    if poisson_sampling:
+        data_loader = poisson_loader(data_loader, sample_rate, steps_per_epoch, seed)
+    else:
+        warnings.warn(
+            "poisson_sampling=False: shuffled fixed-size batches are not covered by the "
+            "Poisson-subsampled Gaussian analysis; the reported epsilon is not a guarantee",
+            UserWarning, stacklevel=2,
+        )
+    dp_optimizer = DPOptimizer(
+        optimizer, module=module, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
+        expected_batch_size=batch_size, seed=seed, **optimizer_kwargs,
+    )
+    dp_optimizer.attach_accountant(accounting.make_accountant(accountant), sample_rate)
+    return module, dp_optimizer, data_loader

@@ -1,0 +1,88 @@
+"""Which modules fastdp can clip exactly, and ``fix`` for the common ones it cannot.
+
+Validation is done once, when the engine is attached: anything that would make a
+per-sample norm wrong is refused with the module path, the parameter and the fix.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable, List, Optional
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.instancenorm import _InstanceNorm
+
+from fastdp.layers import UnsupportedModuleError, rule_for, supported_types
+
+
+def find_problems(module: nn.Module, params: Optional[Iterable[torch.Tensor]] = None) -> List[str]:
+    """Every reason why ``module`` (training ``params``) cannot be made private, as messages."""
+    problems = []
+    for path, child in module.named_modules():
+        where = f"module '{path or '<root>'}' ({type(child).__name__})"
+        trainable = [n for n, p in child.named_parameters(recurse=False) if p.requires_grad]
+        if isinstance(child, _BatchNorm):
+            problems.append(
+                f"{where}: BatchNorm mixes the samples of a batch, so per-sample gradients do not "
+                "exist; replace it with GroupNorm (model = fastdp.fix(model))"
+            )
+            continue
+        rule = rule_for(child)
+        if rule is None:
+            if trainable:
+                names = ", ".join(f"'{path + '.' if path else ''}{n}'" for n in trainable)
+                problems.append(
+                    f"{where} has trainable parameter(s) {names} but fastdp has no per-sample rule "
+                    f"for {type(child).__name__}; supported layers: "
+                    f"{', '.join(sorted(t.__name__ for t in supported_types()))}. Freeze them "
+                    "(requires_grad_(False)), rebuild the layer from supported ones, or register "
+                    "a rule with fastdp.layers.register"
+                )
+            continue
+        if trainable:
+            try:
+                rule.check(child)
+            except UnsupportedModuleError as exc:
+                problems.append(f"{where}: {exc}")
+    if params is not None:
+        owned = {id(p) for p in module.parameters()}
+        names = [i for i, p in enumerate(params) if id(p) not in owned]
+        if names:
+            problems.append(
+                f"the optimizer holds {len(names)} parameter(s) (indices {names[:5]}) that are not "
+                "parameters of the module given to fastdp; pass the module that owns them"
+            )
+    return problems
+
+
+def validate(module: nn.Module, params: Optional[Iterable[torch.Tensor]] = None) -> None:
+    """Raise :class:`UnsupportedModuleError` listing every problem :func:`find_problems` finds."""
+    problems = find_problems(module, params)
+    if problems:
+        raise UnsupportedModuleError(
+            "fastdp cannot clip this model exactly:\n  - " + "\n  - ".join(problems)
+        )
+
+
+def _group_norm_for(bn: _BatchNorm) -> nn.GroupNorm:
+    channels = bn.num_features
+    return nn.GroupNorm(math.gcd(32, channels), channels, eps=bn.eps, affine=bn.affine)
+
+
+def fix(module: nn.Module) -> nn.Module:
+    """Replace BatchNorm by GroupNorm (gcd(32, C) groups) and stop InstanceNorm from tracking
+    running statistics; returns the module (a new one only when the root itself is replaced)."""
+    if isinstance(module, _BatchNorm):
+        return _group_norm_for(module)
+    if isinstance(module, _InstanceNorm) and module.track_running_stats:
+        fixed = type(module)(module.num_features, eps=module.eps, affine=module.affine,
+                             track_running_stats=False)
+        if module.affine:
+            fixed.load_state_dict({"weight": module.weight, "bias": module.bias}, strict=False)
+        return fixed
+    for name, child in module.named_children():
+        replacement = fix(child)
+        if replacement is not child:
+            setattr(module, name, replacement)
+    return module
