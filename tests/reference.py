@@ -1,0 +1,115 @@
+"""Independent references for the engine's tests: a per-example loop on a plain copy of the model."""
+from __future__ import annotations
+
+import copy
+from typing import Callable, Dict, List, Sequence
+
+import torch
+from torch import nn
+
+import fastdp
+from fastdp.clipping import EPS
+
+
+def sample_loss(out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Per-sample losses (B,): a random linear term plus a quadratic one, any output shape."""
+    out = out.to(weights.dtype)
+    return (out * weights).flatten(1).sum(1) + 0.1 * out.square().flatten(1).sum(1)
+
+
+def per_example_grads(model: nn.Module, inputs: Sequence[torch.Tensor], weights: torch.Tensor,
+                      params: List[str]) -> Dict[str, torch.Tensor]:
+    """{name: (B, *shape)} gradients of each example's own loss, one backward per example."""
+    model = copy.deepcopy(model)
+    named = dict(model.named_parameters(remove_duplicate=False))
+    batch = inputs[0].shape[0]
+    out = {n: [] for n in params}
+    for i in range(batch):
+        model.zero_grad(set_to_none=False)
+        for p in model.parameters():
+            if p.grad is None and p.requires_grad:
+                p.grad = torch.zeros_like(p)
+        loss = sample_loss(model(*[x[i : i + 1] for x in inputs]), weights[i : i + 1]).sum()
+        loss.backward()
+        for n in params:
+            out[n].append(named[n].grad.detach().clone())
+    return {n: torch.stack(v) if v else None for n, v in out.items()}
+
+
+def clipped_sum_reference(model, inputs, weights, max_grad_norm, params, mode="flat", gamma=0.01):
+    """{name: sum_i c_i g_i} with the engine's coefficient formula, from the per-example loop."""
+    grads = per_example_grads(model, inputs, weights, params)
+    sq = {n: g.flatten(1).square().sum(1) for n, g in grads.items()}
+    if mode == "per_layer":
+        bounds = max_grad_norm if isinstance(max_grad_norm, (list, tuple)) else [max_grad_norm / len(params) ** 0.5] * len(params)
+        coefs = {n: (c / (sq[n].sqrt() + EPS)).clamp(max=1.0) for n, c in zip(params, bounds)}
+    else:
+        total = torch.stack(list(sq.values())).sum(0).sqrt()
+        if mode == "automatic":
+            c = max_grad_norm / (total + gamma)
+        else:
+            c = (max_grad_norm / (total + EPS)).clamp(max=1.0)
+        coefs = {n: c for n in params}
+    return {n: torch.einsum("b,b...->...", coefs[n], g) for n, g in grads.items()}, sq
+
+
+def trainable_names(model: nn.Module) -> List[str]:
+    seen, names = set(), []
+    for n, p in model.named_parameters():
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            names.append(n)
+    return names
+
+
+def fastdp_clipped_sum(model, inputs, weights, max_grad_norm, reduction="mean", micro_batches=1,
+                       **kwargs) -> Dict[str, torch.Tensor]:
+    """Run one noiseless fastdp step (divisor 1, lr 0) and return {name: p.grad}."""
+    opt = fastdp.DPOptimizer(
+        torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0),
+        module=model, noise_multiplier=0.0, max_grad_norm=max_grad_norm,
+        expected_batch_size=1, loss_reduction=reduction, **kwargs,
+    )
+    try:
+        opt.zero_grad()
+        batch = inputs[0].shape[0]
+        bounds = torch.linspace(0, batch, micro_batches + 1).round().long().tolist()
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            if hi <= lo:
+                continue
+            losses = sample_loss(model(*[x[lo:hi] for x in inputs]), weights[lo:hi])
+            (losses.mean() if reduction == "mean" else losses.sum()).backward()
+        opt.step()
+        return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    finally:
+        opt.detach()
+
+
+def max_rel_error(got: Dict[str, torch.Tensor], want: Dict[str, torch.Tensor]) -> float:
+    worst = 0.0
+    for n, w in want.items():
+        err = (got[n] - w).norm() / w.norm().clamp(min=1e-30)
+        worst = max(worst, float(err))
+    return worst
+
+
+def check_exact(model: nn.Module, inputs, out_shape_fn: Callable = None, tol=1e-9, reduction="mean",
+                mode="flat", micro_batches=1, seed=0, **kwargs):
+    """Assert fastdp's clipped sum equals the per-example reference (float64)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        out = model(*inputs)
+    weights = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    params = trainable_names(model)
+    probe, sq = clipped_sum_reference(model, inputs, weights, 1.0, params)
+    total = torch.stack(list(sq.values())).sum(0).sqrt()
+    clip = float(total.median()) if total.numel() else 1.0  # some samples clipped, some not
+    clip = clip if clip > 0 else 1.0
+    if mode == "per_layer":
+        clip = [clip / 2 ** 0.5] * len(params)
+    want, _ = clipped_sum_reference(model, inputs, weights, clip, params, mode=mode)
+    got = fastdp_clipped_sum(model, inputs, weights, clip, reduction=reduction,
+                             micro_batches=micro_batches, clipping=mode, **kwargs)
+    err = max_rel_error(got, want)
+    assert err <= tol, f"relative error {err:.3e} > {tol:.1e}"
+    return err

@@ -1,0 +1,127 @@
+"""Each layer family's clipped sum equals the per-example reference in float64 (hypothesis shapes)."""
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch import nn
+
+from reference import check_exact
+
+torch.set_default_dtype(torch.float64)
+SETTINGS = settings(max_examples=25, deadline=None)
+
+
+@pytest.fixture(autouse=True)
+def float64():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+@SETTINGS
+@given(batch=st.integers(1, 5), middle=st.lists(st.integers(1, 6), min_size=0, max_size=2),
+       d=st.integers(1, 9), p=st.integers(1, 9), bias=st.booleans(), seed=st.integers(0, 99))
+def test_linear_any_rank(batch, middle, d, p, bias, seed):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(d, p, bias=bias), nn.Tanh(), nn.Linear(p, 3))
+    check_exact(model, [torch.randn(batch, *middle, d)])
+
+
+@pytest.mark.parametrize("route", ["ghost", "direct"])
+@pytest.mark.parametrize("seq", [1, 3, 17])
+def test_linear_both_routes(monkeypatch, route, seq):
+    import fastdp.layers.conv as conv
+    import fastdp.layers.linear as linear
+
+    forced = lambda t, d, p: route == "ghost"  # noqa: E731
+    monkeypatch.setattr(linear, "ghost_is_cheaper", forced)
+    monkeypatch.setattr(conv, "ghost_is_cheaper", forced)
+    torch.manual_seed(seq)
+    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 4))
+    check_exact(model, [torch.randn(4, seq, 6)])
+
+
+conv_cases = st.fixed_dictionaries({
+    "dim": st.integers(1, 3), "batch": st.integers(1, 4), "groups": st.sampled_from([1, 2, 3]),
+    "cin_per_group": st.integers(1, 3), "cout_per_group": st.integers(1, 3),
+    "kernel": st.integers(1, 3), "stride": st.integers(1, 2), "dilation": st.integers(1, 2),
+    "padding": st.sampled_from([0, 1, 2, "same", "valid"]),
+    "padding_mode": st.sampled_from(["zeros", "zeros", "reflect", "circular"]),
+    "bias": st.booleans(), "size": st.integers(5, 8), "seed": st.integers(0, 99),
+})
+
+
+@SETTINGS
+@given(case=conv_cases)
+def test_conv_any_geometry(case):
+    torch.manual_seed(case["seed"])
+    dim, groups = case["dim"], case["groups"]
+    conv_type = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dim]
+    stride = 1 if case["padding"] == "same" else case["stride"]
+    padding = case["padding"]
+    if case["padding_mode"] != "zeros" and isinstance(padding, int):
+        padding = min(padding, 1)
+    size = case["size"] if dim < 3 else min(case["size"], 6)
+    conv = conv_type(case["cin_per_group"] * groups, case["cout_per_group"] * groups, case["kernel"],
+                     stride=stride, padding=padding, dilation=case["dilation"], groups=groups,
+                     bias=case["bias"], padding_mode=case["padding_mode"])
+    model = nn.Sequential(conv, nn.Flatten())
+    x = torch.randn(case["batch"], conv.in_channels, *[size] * dim)
+    check_exact(model, [x])
+
+
+@pytest.mark.parametrize("route", ["ghost", "direct"])
+@pytest.mark.parametrize("groups", [1, 4])
+def test_conv_both_routes(monkeypatch, route, groups):
+    import fastdp.layers.conv as conv
+
+    monkeypatch.setattr(conv, "ghost_is_cheaper", lambda t, d, p: route == "ghost")
+    torch.manual_seed(groups)
+    model = nn.Sequential(nn.Conv2d(4, 8, 3, stride=2, padding=1, groups=groups), nn.Tanh(),
+                          nn.Conv2d(8, 8, 3, groups=8), nn.Flatten())  # depthwise
+    check_exact(model, [torch.randn(3, 4, 9, 9)])
+
+
+def test_conv_same_padding_even_kernel():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, (4, 3), padding="same", dilation=(1, 2)), nn.Flatten())
+    check_exact(model, [torch.randn(3, 2, 7, 8)])
+
+
+@SETTINGS
+@given(batch=st.integers(1, 5), seq=st.integers(1, 12), vocab=st.integers(2, 7), dim=st.integers(1, 6),
+       padding=st.booleans(), seed=st.integers(0, 99))
+def test_embedding_repeated_tokens_and_padding(batch, seq, vocab, dim, padding, seed):
+    torch.manual_seed(seed)
+    emb = nn.Embedding(vocab, dim, padding_idx=0 if padding else None)
+    model = nn.Sequential(emb, nn.Linear(dim, 2))
+    ids = torch.randint(0, vocab, (batch, seq))  # small vocab: many repeats
+    check_exact(model, [ids])
+
+
+norm_cases = st.sampled_from(["layer", "layer2d", "rms", "group", "instance1d", "instance2d"])
+
+
+@SETTINGS
+@given(kind=norm_cases, batch=st.integers(1, 4), bias=st.booleans(), seed=st.integers(0, 99))
+def test_norm_layers(kind, batch, bias, seed):
+    torch.manual_seed(seed)
+    if kind == "layer":
+        layer, x = nn.LayerNorm(5, bias=bias), torch.randn(batch, 3, 5)
+    elif kind == "layer2d":
+        layer, x = nn.LayerNorm((3, 4), bias=bias), torch.randn(batch, 2, 3, 4)
+    elif kind == "rms":
+        layer, x = nn.RMSNorm(6, eps=1e-5), torch.randn(batch, 4, 6)
+    elif kind == "group":
+        layer, x = nn.GroupNorm(2, 4), torch.randn(batch, 4, 3, 3)
+    elif kind == "instance1d":
+        layer, x = nn.InstanceNorm1d(3, affine=True), torch.randn(batch, 3, 7)
+    else:
+        layer, x = nn.InstanceNorm2d(3, affine=True), torch.randn(batch, 3, 4, 5)
+    with torch.no_grad():  # move the affine parameters away from (1, 0)
+        for p in layer.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    model = nn.Sequential(nn.Tanh(), layer, nn.Flatten(), nn.LazyLinear(3))
+    with torch.no_grad():
+        model(x)  # materialise the lazy layer
+    check_exact(model, [x])
