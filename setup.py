@@ -13,7 +13,7 @@ from setuptools import setup
 sources = sorted(
     os.path.join("csrc", f) for f in os.listdir("csrc") if f.endswith(".cpp")
 )
-extra_compile = ["-O3", "-fopenmp", "-ffp-contract=fast"]
+extra_compile = ["-O3", "-fopenmp", "-ffp-contract=fast", "-fno-math-errno"]
 extra_link = ["-fopenmp"]
 if sys.platform == "darwin":  # Apple clang has no -fopenmp by default
     extra_compile.remove("-fopenmp")

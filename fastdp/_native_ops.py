@@ -1,0 +1,35 @@
+"""C++/OpenMP CPU kernels of ``fastdp._C``, registered as backend ``"native"`` on ``"cpu"``.
+
+Importing this module fails with ImportError when the extension is not built; the
+dispatcher in :mod:`fastdp.ops` then falls back to the references. The kernels take
+NumPy views of contiguous CPU tensors; other dtypes go through float32.
+"""
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import torch
+
+from fastdp import _C, ops
+
+_NATIVE_FLOATS = (torch.float32, torch.float64)
+
+
+def _as_native(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous, detached float32/float64 version of ``t`` (no copy when already so)."""
+    t = t.detach()
+    if t.dtype not in _NATIVE_FLOATS:
+        t = t.float()
+    return t.contiguous()
+
+
+@ops.register("noisy_average", "native", "cpu")
+def noisy_average(sums: Sequence[torch.Tensor], std: float, divisor: float, seed: int) -> List[torch.Tensor]:
+    """Fused ``(s + std z) / divisor`` for all tensors in one parallel pass (Philox stream k = list position)."""
+    if std == 0:
+        return [s / divisor for s in sums]
+    srcs = [_as_native(s) for s in sums]
+    outs = [torch.empty_like(s) for s in srcs]
+    _C.noisy_average([s.numpy() for s in srcs], [o.numpy() for o in outs], float(std), float(divisor),
+                     seed & (2**64 - 1))
+    return [o if o.dtype == s.dtype else o.to(s.dtype) for o, s in zip(outs, sums)]
