@@ -26,16 +26,26 @@ import torch
 
 BACKENDS = ("reference", "native", "triton")
 _REGISTRY: Dict[str, Dict[Tuple[str, str], Callable]] = {}
+_FORCED_ONLY: set = set()  # (op, backend, device_type) used only when FASTDP_BACKEND names it
 _AUTO_ORDER = {"cuda": ("triton", "native"), "cpu": ("native",)}
+_BACKEND_MODULES = {"native": "fastdp._native_ops", "triton": "kernels.dispatch"}
 
 
-def register(op: str, backend: str, device_type: str):
-    """Decorator registering ``fn`` as ``backend``'s implementation of ``op`` on ``device_type``."""
+def register(op: str, backend: str, device_type: str, auto: bool = True):
+    """Decorator registering ``fn`` as ``backend``'s implementation of ``op`` on ``device_type``.
+
+    ``auto=False`` keeps it out of the default choice (a kernel not measured to beat the
+    reference there); ``FASTDP_BACKEND=<backend>`` still selects it.
+    """
     if backend not in BACKENDS or backend == "reference":
         raise ValueError(f"unknown backend {backend!r}; expected 'native' or 'triton'")
 
     def decorate(fn: Callable) -> Callable:
         _REGISTRY.setdefault(op, {})[(backend, device_type)] = fn
+        if auto:
+            _FORCED_ONLY.discard((op, backend, device_type))
+        else:
+            _FORCED_ONLY.add((op, backend, device_type))
         return fn
 
     return decorate
@@ -60,14 +70,15 @@ def _load_backends() -> None:
     if _backends_loaded:
         return
     _backends_loaded = True
-    for module in ("fastdp._native_ops", "kernels.dispatch"):
+    forced = selected_backend()
+    for backend, module in _BACKEND_MODULES.items():
         try:
             __import__(module)
-        except ImportError as exc:  # a missing extension is not an error
-            if selected_backend() not in ("reference", "auto"):
+        except Exception as exc:  # a missing or broken optional backend is not fatal
+            if backend == forced:  # one warning, for the backend asked for only
                 warnings.warn(
-                    f"fastdp: optional backend {module} unavailable ({exc}); "
-                    "falling back to the PyTorch reference",
+                    f"fastdp: FASTDP_BACKEND={forced} but {module} is unavailable "
+                    f"({type(exc).__name__}: {exc}); using the PyTorch references",
                     RuntimeWarning,
                     stacklevel=3,
                 )
@@ -82,7 +93,7 @@ def implementation(op: str, device: torch.device) -> Tuple[str, Callable]:
         order = (forced,) if forced != "auto" else _AUTO_ORDER.get(device.type, ())
         for backend in order:
             fn = impls.get((backend, device.type))
-            if fn is not None:
+            if fn is not None and (forced != "auto" or (op, backend, device.type) not in _FORCED_ONLY):
                 return backend, fn
     return "reference", _REFERENCE[op]
 
