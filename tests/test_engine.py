@@ -1,0 +1,203 @@
+"""Engine features against the per-example reference: sharing, freezing, reductions, clipping
+modes, accumulation, changing shapes, float32 accuracy, noise, detach."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch import nn
+
+import fastdp
+from reference import check_exact, fastdp_clipped_sum, max_rel_error, clipped_sum_reference, trainable_names
+
+
+@pytest.fixture(autouse=True)
+def float64():
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(old)
+
+
+class TiedLM(nn.Module):
+    """Embedding and output head share one weight; a block is applied twice."""
+
+    def __init__(self, vocab=7, dim=4):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.block = nn.Linear(dim, dim)
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        h = torch.tanh(self.block(h))
+        h = torch.tanh(self.block(h))  # same module twice
+        return self.head(self.norm(h))
+
+
+@settings(max_examples=10, deadline=None)
+@given(batch=st.integers(1, 4), seq=st.integers(1, 6), seed=st.integers(0, 99))
+def test_tied_and_reused_parameters_are_exact(batch, seq, seed):
+    torch.manual_seed(seed)
+    model = TiedLM()
+    check_exact(model, [torch.randint(0, 7, (batch, seq))])
+
+
+def test_frozen_parameters_are_ignored():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3), nn.LayerNorm(3))
+    model[0].weight.requires_grad_(False)
+    model[3].bias.requires_grad_(False)
+    names = trainable_names(model)
+    assert "0.weight" not in names and "0.bias" in names
+    check_exact(model, [torch.randn(4, 5)])
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("mode", ["flat", "per_layer", "automatic"])
+def test_reductions_and_clipping_modes(reduction, mode):
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Conv1d(2, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(12, 4))
+    check_exact(model, [torch.randn(5, 2, 6)], reduction=reduction, mode=mode)
+
+
+@pytest.mark.parametrize("micro_batches", [2, 3])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_accumulation_over_several_backward_calls(micro_batches, reduction):
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    check_exact(model, [torch.randn(7, 3)], reduction=reduction, micro_batches=micro_batches)
+
+
+def test_sequence_length_changes_between_steps():
+    """The ghost/direct choice is made per batch: long then short sequences stay exact."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Embedding(11, 3), nn.Linear(3, 40), nn.Tanh(), nn.Linear(40, 30))
+    for seq in (64, 1, 2, 30):
+        check_exact(model, [torch.randint(0, 11, (3, seq))])
+
+
+def test_first_layer_input_without_grad_and_eval_mode():
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.0), nn.Linear(3, 2)).eval()
+    check_exact(model, [torch.randn(3, 3)])
+
+
+def test_unused_layer_gets_noise_only():
+    class TwoHeads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 2), nn.Linear(3, 2)
+
+        def forward(self, x):
+            return self.a(x)
+
+    model = TwoHeads()
+    opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), module=model,
+                             noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=4)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    assert torch.count_nonzero(model.b.weight.grad) == 0 and model.a.weight.grad.abs().sum() > 0
+
+
+def test_float32_long_sequence_linear_matches_float64():
+    """B=4, T=512, d=p=512 in float32 stays within 1e-5 of float64 (norms and clipped sum)."""
+    torch.manual_seed(5)
+    model64 = nn.Linear(512, 512)
+    x64 = torch.randn(4, 512, 512)
+    weights = torch.randn(4, 512, 512)
+    model32 = nn.Linear(512, 512).float()
+    model32.load_state_dict(model64.state_dict())
+    got32 = fastdp_clipped_sum(model32, [x64.float()], weights.float(), 1.0)
+    got64 = fastdp_clipped_sum(model64, [x64], weights, 1.0)
+    got32 = {k: v.double() for k, v in got32.items()}
+    assert max_rel_error(got32, got64) < 1e-5
+
+
+def test_float32_norms_accurate_on_both_routes(monkeypatch):
+    import fastdp.layers.linear as linear
+    from fastdp import ops
+
+    torch.manual_seed(6)
+    a, g = torch.randn(2, 512, 512), torch.randn(2, 512, 512)
+    exact = ops.linear_sq_norms_direct_ref(a, g)
+    for op in (ops.linear_sq_norms_ghost, ops.linear_sq_norms_direct):
+        got = op(a.float(), g.float())
+        assert torch.allclose(got, exact, rtol=1e-5, atol=0)
+
+
+def _noise_only_grads(steps, sigma=2.0, clip=0.5, batch=8, seed=None):
+    model = nn.Linear(200, 50)
+    opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), module=model,
+                             noise_multiplier=sigma, max_grad_norm=clip, expected_batch_size=batch,
+                             seed=seed)
+    draws = []
+    for _ in range(steps):
+        opt.zero_grad()
+        opt.step()  # an empty batch: noise only
+        draws.append(torch.cat([p.grad.flatten() for p in model.parameters()]).clone())
+    return torch.stack(draws)
+
+
+def test_noise_std_is_sigma_c_over_expected_batch_size():
+    from scipy import stats
+
+    draws = _noise_only_grads(steps=20)
+    n = draws.numel()
+    expected = 2.0 * 0.5 / 8
+    sample_var = draws.var().item()
+    # chi-square interval for the variance at the 1e-6 level
+    lo, hi = stats.chi2.ppf([1e-6, 1 - 1e-6], n - 1) / (n - 1)
+    assert lo * expected**2 < sample_var < hi * expected**2
+    assert abs(draws.mean().item()) < 6 * expected / math.sqrt(n)
+    assert stats.kstest((draws.flatten() / expected).numpy(), "norm").pvalue > 1e-4
+
+
+def test_noise_is_fresh_every_step_and_reproducible_with_seed():
+    draws = _noise_only_grads(steps=5, seed=7)
+    corr = torch.corrcoef(draws)
+    off_diagonal = corr[~torch.eye(5, dtype=torch.bool)]
+    assert off_diagonal.abs().max() < 0.05  # 10050 coordinates: |r| ~ 0.01 if independent
+    assert torch.equal(draws, _noise_only_grads(steps=5, seed=7))
+    assert not torch.equal(draws, _noise_only_grads(steps=5, seed=8))
+
+
+def test_noise_added_once_per_logical_step_with_accumulation():
+    torch.manual_seed(8)
+    model = nn.Linear(30, 30, bias=False)
+    opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), module=model,
+                             noise_multiplier=1.0, max_grad_norm=1e-9, expected_batch_size=1, seed=0)
+    for _ in range(4):  # four backward calls, one step: noise std stays sigma*C, not 2*sigma*C
+        model(torch.randn(2, 30)).sum().backward()
+    opt.step()
+    # clipped grads are ~0 (C = 1e-9), so the grad is the noise: std ~ 1e-9
+    assert 0.8e-9 < model.weight.grad.std().item() < 1.2e-9
+
+
+def test_detach_restores_plain_module():
+    torch.manual_seed(9)
+    model = nn.Sequential(nn.Linear(3, 2))
+    opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), module=model,
+                             noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=2)
+    assert "forward" in model[0].__dict__
+    opt.detach()
+    assert "forward" not in model[0].__dict__
+    model(torch.randn(2, 3)).sum().backward()
+    assert model[0].weight.grad is not None  # autograd computes weight grads again
+
+
+def test_lr_scheduler_and_state_dict_work():
+    model = nn.Linear(3, 2)
+    opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9), module=model,
+                             noise_multiplier=0.5, max_grad_norm=1.0, expected_batch_size=2, seed=1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(2, 3)).sum().backward()
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == 0.25
+    state = opt.state_dict()
+    assert state["steps"] == 2 and state["optimizer"]["state"]
