@@ -112,6 +112,8 @@ class GradSampleEngine:
         if not records:
             return
         batch = self._batch_size(records)
+        if batch == 0:  # an empty (Poisson) batch: nothing to clip, the step adds noise only
+            return
         scale = float(batch) if self.loss_reduction == "mean" else 1.0
 
         uses: Dict[torch.Tensor, List[tuple]] = defaultdict(list)

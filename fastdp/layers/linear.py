@@ -11,6 +11,7 @@ is one GEMM on coefficient-scaled rows, the same cost as the gradient autograd s
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, Iterable
 
 import torch
@@ -57,7 +58,7 @@ def sq_norms_3d(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 
 def as_3d(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(x.shape[0], -1, x.shape[-1])
+    return x.reshape(x.shape[0], math.prod(x.shape[1:-1]), x.shape[-1])
 
 
 class LinearRule(LayerRule):

@@ -1,0 +1,152 @@
+"""Bad input gets a clear error naming the module/parameter and the fix; nothing is silently wrong."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fastdp
+
+
+def make(model, **kw):
+    args = dict(module=model, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=4)
+    args.update(kw)
+    return fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **args)
+
+
+def test_batchnorm_refused_with_fix():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())
+    with pytest.raises(fastdp.UnsupportedModuleError, match=r"'1' \(BatchNorm2d\).*fastdp.fix"):
+        make(model)
+    fixed = fastdp.fix(model)
+    assert isinstance(fixed[1], nn.GroupNorm) and fixed[1].num_groups == 8
+    make(fixed)  # accepted now
+
+
+def test_fix_instance_norm_running_stats():
+    model = nn.Sequential(nn.Conv2d(3, 6, 3), nn.InstanceNorm2d(6, affine=True, track_running_stats=True))
+    with pytest.raises(fastdp.UnsupportedModuleError, match="track_running_stats"):
+        make(model)
+    make(fastdp.fix(model))
+
+
+def test_unknown_module_with_parameters_names_module_and_parameter():
+    class Scale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.alpha = nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            return x * self.alpha
+
+    model = nn.Sequential(nn.Linear(3, 3), Scale())
+    with pytest.raises(fastdp.UnsupportedModuleError, match=r"'1' \(Scale\).*'1.alpha'.*requires_grad_\(False\)"):
+        make(model)
+    model[1].alpha.requires_grad_(False)
+    make(model)
+
+
+def test_multihead_attention_refused():
+    with pytest.raises(fastdp.UnsupportedModuleError, match="MultiheadAttention"):
+        make(nn.Sequential(nn.MultiheadAttention(4, 2)))
+
+
+def test_embedding_options_refused():
+    with pytest.raises(fastdp.UnsupportedModuleError, match="max_norm"):
+        make(nn.Embedding(5, 3, max_norm=1.0))
+    with pytest.raises(fastdp.UnsupportedModuleError, match="sparse"):
+        make(nn.Embedding(5, 3, sparse=True))
+
+
+def test_parameter_used_outside_its_layer_is_caught():
+    class Sneaky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(3, 3)
+
+        def forward(self, x):
+            return self.fc(x) + F.linear(x, self.fc.weight)  # second use bypasses the layer
+
+    model = Sneaky()
+    make(model)
+    with pytest.raises(fastdp.UnsupportedModuleError, match="'fc.weight'.*outside"):
+        model(torch.randn(4, 3)).sum().backward()
+
+
+def test_optimizer_params_must_belong_to_module():
+    model, other = nn.Linear(3, 2), nn.Linear(2, 2)
+    with pytest.raises(fastdp.UnsupportedModuleError, match="not parameters of the module"):
+        fastdp.DPOptimizer(torch.optim.SGD(list(model.parameters()) + list(other.parameters()), lr=0.1),
+                           module=model, noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=2)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"noise_multiplier": -1.0}, "noise_multiplier"),
+    ({"max_grad_norm": 0.0}, "max_grad_norm"),
+    ({"expected_batch_size": 0}, "expected_batch_size"),
+    ({"loss_reduction": "avg"}, "loss_reduction"),
+    ({"clipping": "adaptive"}, "clipping"),
+    ({"nonfinite": "ignore"}, "nonfinite"),
+])
+def test_bad_arguments(kw, match):
+    with pytest.raises(ValueError, match=match):
+        make(nn.Linear(3, 2), **kw)
+
+
+def test_nan_gradient_raises_by_default():
+    model = nn.Linear(3, 2)
+    make(model)
+    x = torch.randn(4, 3)
+    x[2, 0] = float("nan")
+    with pytest.raises(fastdp.NonFiniteGradientError, match=r"sample\(s\) \[2\].*nonfinite='skip'"):
+        model(x).sum().backward()
+
+
+def test_nan_gradient_skip_drops_and_counts_the_sample():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = make(model, nonfinite="skip", noise_multiplier=0.0, expected_batch_size=1)
+    x = torch.randn(4, 3)
+    x[2, 0] = float("inf")
+    model(x).sum().backward()
+    opt.step()
+    assert opt.skipped_samples == 1
+    assert torch.isfinite(model.weight.grad).all()
+    # equals the clipped sum over the three healthy samples
+    ref = nn.Linear(3, 2)
+    ref.load_state_dict(model.state_dict())
+    ref_opt = make(ref, noise_multiplier=0.0, expected_batch_size=1)
+    keep = torch.tensor([0, 1, 3])
+    ref(x[keep]).sum().backward()
+    ref_opt.step()
+    assert torch.allclose(model.weight.grad, ref.weight.grad, atol=1e-6)
+
+
+def test_batch_dimension_mismatch_is_reported():
+    class SeqFirst(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.out = nn.Linear(3, 3), nn.Linear(3, 2)
+
+        def forward(self, x):  # x: (B, T, 3), but the second layer sees (T, B, 3)
+            return self.out(self.inp(x).transpose(0, 1))
+
+    model = SeqFirst()
+    make(model)
+    with pytest.raises(fastdp.UnsupportedModuleError, match="different batch sizes"):
+        model(torch.randn(4, 5, 3)).sum().backward()
+
+
+def test_unbatched_input_is_refused():
+    model = nn.Sequential(nn.Conv2d(1, 2, 3))
+    make(model)
+    with pytest.raises(fastdp.UnsupportedModuleError, match="batched input"):
+        model(torch.randn(1, 5, 5))
+
+
+def test_empty_batch_still_steps_with_noise():
+    model = nn.Sequential(nn.Linear(3, 2))
+    opt = make(model, seed=0)
+    loss = model(torch.randn(0, 3)).sum()
+    loss.backward()
+    opt.step()
+    assert opt.steps == 1 and model[0].weight.grad.abs().sum() > 0  # noise was added
