@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "embedding_norms.h"
 #include "noise.h"
 
 namespace py = pybind11;
@@ -35,6 +36,20 @@ void noisy_average(const std::vector<py::array>& src, std::vector<py::array>& ds
   fastdp::noisy_average(tensors, std, divisor, seed);
 }
 
+template <typename T>
+void embedding_sq_norms_t(const py::array_t<int64_t, py::array::c_style>& ids,
+                          const py::array_t<T, py::array::c_style>& g, bool has_padding, int64_t padding_idx,
+                          py::array_t<double, py::array::c_style>& out) {
+  if (ids.ndim() != 2 || g.ndim() != 3 || g.shape(0) != ids.shape(0) || g.shape(1) != ids.shape(1) ||
+      out.ndim() != 1 || out.shape(0) != ids.shape(0))
+    throw std::invalid_argument("expected ids (B, T), g (B, T, D), out (B,)");
+  const int64_t* ids_p = ids.data();
+  const T* g_p = g.data();
+  double* out_p = out.mutable_data();
+  py::gil_scoped_release release;
+  fastdp::embedding_sq_norms<T>(ids_p, g_p, g.shape(0), g.shape(1), g.shape(2), has_padding, padding_idx, out_p);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -43,4 +58,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("noisy_average", &noisy_average, py::arg("src"), py::arg("dst"), py::arg("std"), py::arg("divisor"),
         py::arg("seed"),
         "dst[i] = (src[i] + std * z_i) / divisor, z_i ~ N(0, 1) from Philox keyed by seed, counter by (i, element).");
+  const char* emb_doc = "out[i] = squared norm of sample i's embedding weight gradient (ids (B,T), g (B,T,D)).";
+  m.def("embedding_sq_norms", &embedding_sq_norms_t<float>, py::arg("ids"), py::arg("g").noconvert(),
+        py::arg("has_padding"), py::arg("padding_idx"), py::arg("out").noconvert(), emb_doc);
+  m.def("embedding_sq_norms", &embedding_sq_norms_t<double>, py::arg("ids"), py::arg("g").noconvert(),
+        py::arg("has_padding"), py::arg("padding_idx"), py::arg("out").noconvert(), emb_doc);
 }

@@ -33,3 +33,13 @@ def noisy_average(sums: Sequence[torch.Tensor], std: float, divisor: float, seed
     _C.noisy_average([s.numpy() for s in srcs], [o.numpy() for o in outs], float(std), float(divisor),
                      seed & (2**64 - 1))
     return [o if o.dtype == s.dtype else o.to(s.dtype) for o, s in zip(outs, sums)]
+
+
+@ops.register("embedding_sq_norms", "native", "cpu")
+def embedding_sq_norms(ids: torch.Tensor, g: torch.Tensor, padding_idx) -> torch.Tensor:
+    """Per-sample sort of the ids and segment sums of ``g`` rows in float64, OpenMP over samples."""
+    g = _as_native(g.reshape(ids.shape[0], ids.shape[1], -1))
+    out = torch.empty(ids.shape[0], dtype=torch.float64)
+    _C.embedding_sq_norms(ids.detach().to(torch.int64).contiguous().numpy(), g.numpy(),
+                          padding_idx is not None, -1 if padding_idx is None else int(padding_idx), out.numpy())
+    return out
