@@ -22,7 +22,7 @@ from typing import Callable, List, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from fastdp import ops
+from fastdp import ops, secure
 from fastdp.clipping import make_clipping
 from fastdp.engine import GradSampleEngine
 
@@ -40,6 +40,8 @@ class DPOptimizer(torch.optim.Optimizer):
         clipping: "flat" (default), "per_layer" or "automatic" (Bu et al., ``C/(|g|+gamma)``).
         nonfinite: "raise" (default) or "skip" samples whose gradient has NaN/Inf.
         seed: seeds the noise for reproducible runs; ``None`` draws one from OS entropy.
+        secure_mode: draw the noise with :func:`fastdp.secure.secure_noisy_average` (fresh
+            OS entropy every step, hardened against floating-point attacks); no ``seed``.
     """
 
     def __init__(
@@ -55,7 +57,10 @@ class DPOptimizer(torch.optim.Optimizer):
         gamma: float = 0.01,
         nonfinite: str = "raise",
         seed: Optional[int] = None,
+        secure_mode: bool = False,
     ):
+        if secure_mode and seed is not None:
+            raise ValueError("secure_mode=True draws the noise from OS entropy: do not pass a seed")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if not (noise_multiplier >= 0 and noise_multiplier < float("inf")):
@@ -82,7 +87,10 @@ class DPOptimizer(torch.optim.Optimizer):
         self.engine = GradSampleEngine(module, params, self.clipping, loss_reduction, nonfinite)
         self._seeds = torch.Generator()
         self._seeds.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+        self.secure_mode = bool(secure_mode)
         self.steps = 0
+        self._skip_next_step = False  # set by BatchMemoryManager for non-final chunks
+        self._logical_batch_open = False  # a skipped step left clipped sums to keep
         self._step_hooks: List[Callable[["DPOptimizer"], None]] = []
         self.accountant = None
 
@@ -138,11 +146,16 @@ class DPOptimizer(torch.optim.Optimizer):
     def next_seed(self) -> int:
         return int(torch.randint(0, 2**62, (1,), generator=self._seeds).item())
 
+    def noisy_average(self, sums: List[torch.Tensor], divisor: float) -> List[torch.Tensor]:
+        """``(sums + N(0, noise_std^2 I)) / divisor``, from the seeded stream or, in secure mode, OS entropy."""
+        if self.secure_mode:
+            return secure.secure_noisy_average(sums, self.noise_std, divisor)
+        return ops.noisy_average(sums, self.noise_std, divisor, self.next_seed())
+
     def privatise_grads(self) -> None:
         """Write ``(sum of clipped grads + N(0, (sigma C)^2)) / expected_batch_size`` into ``.grad``."""
         params = self.engine.params
-        grads = ops.noisy_average(self.engine.take_sums(), self.noise_std,
-                                  float(self.expected_batch_size), self.next_seed())
+        grads = self.noisy_average(self.engine.take_sums(), float(self.expected_batch_size))
         for p, g in zip(params, grads):
             p.grad = g
         self.engine.adopt_current_grads()
@@ -152,6 +165,10 @@ class DPOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._skip_next_step:
+            self._skip_next_step, self._logical_batch_open = False, True
+            return loss
+        self._logical_batch_open = False
         self.privatise_grads()
         self.original_optimizer.step()
         self.steps += 1
@@ -160,10 +177,17 @@ class DPOptimizer(torch.optim.Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the wrapped optimizer's gradients and drop clipped sums not yet stepped."""
+        """Zero the wrapped optimizer's gradients and drop clipped sums not yet stepped (kept
+        while a logical batch is open, see :meth:`signal_skip_step`)."""
         self.original_optimizer.zero_grad(set_to_none)
-        self.engine.clear()
+        if not self._logical_batch_open:
+            self.engine.clear()
         self.engine.adopt_current_grads()
+
+    def signal_skip_step(self, skip: bool = True) -> None:
+        """``skip=True``: the next ``step()`` only keeps the clipped sums (a non-final chunk of a
+        logical batch) and ``zero_grad()`` keeps them until a real step has run."""
+        self._skip_next_step = bool(skip)
 
     def detach(self) -> None:
         """Remove every hook from the module; this optimizer can no longer step privately."""
