@@ -1,19 +1,30 @@
-"""Poisson sampling: every example joins a batch independently with probability q.
+"""Poisson sampling and physical batching for DP-SGD.
 
-Batches are drawn in O(batch size) each: the size from Binomial(N, q), then a uniform
-subset of that size (Floyd's algorithm), never a pass over all N examples. Empty
-batches are yielded (as empty tensors shaped like a real batch): the step still runs,
-adds noise and counts for the accountant.
+* :class:`PoissonBatchSampler`: every example joins a batch independently with
+  probability q. A batch is drawn in O(batch size): its size from Binomial(N, q), then a
+  uniform subset of that size (Floyd's algorithm), never a pass over all N examples.
+  Batch ``n`` is a pure function of ``(seed, n)``, so a run resumes bit-identically
+  from ``(seed, position)``. ``secure_mode=True`` instead draws every batch from a fresh
+  generator seeded with 256 bits of OS entropy (not reproducible, not predictable).
+* Empty batches are yielded as zero-length tensors shaped like a real batch
+  (:class:`EmptySafeCollate`): the step still runs, adds noise and counts for the
+  accountant.
+* :class:`BatchMemoryManager` cuts each logical (Poisson) batch into physical chunks of
+  at most ``max_physical_batch_size`` and makes the optimizer take one noisy step per
+  logical batch.
 """
 from __future__ import annotations
 
-import os
-from typing import Any, Callable, Iterator, List, Optional
+import math
+from collections import deque
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 from torch.utils.data._utils.collate import default_collate
+
+from fastdp.secure import os_entropy
 
 
 def uniform_subset(rng: np.random.Generator, population: int, size: int) -> List[int]:
@@ -27,32 +38,85 @@ def uniform_subset(rng: np.random.Generator, population: int, size: int) -> List
     return out
 
 
-class PoissonBatchSampler(Sampler[List[int]]):
-    """Yields ``steps`` batches of indices of ``range(num_samples)``, each Poisson with rate q.
+def check_sample_rate(sample_rate: float) -> float:
+    rate = float(sample_rate)
+    if not 0 < rate <= 1:  # also rejects NaN
+        raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
+    return rate
 
-    ``steps`` defaults to ``round(1 / sample_rate)`` (one epoch in expectation). ``seed``
-    makes the batches reproducible; ``None`` seeds from OS entropy.
+
+class PoissonBatchSampler(Sampler[List[int]]):
+    """Batches of indices of ``range(num_samples)``, each example included with probability q.
+
+    One iteration is one epoch of ``steps`` batches (default ``round(1 / sample_rate)``).
+    ``position`` is the global index of the next batch to draw; iterating resumes the
+    current epoch from there. ``seed=None`` draws a seed from OS entropy (kept in
+    :meth:`state_dict`, so even unseeded runs resume identically). ``secure_mode=True``
+    seeds every batch afresh from OS entropy and forbids ``seed``.
     """
 
     def __init__(self, num_samples: int, sample_rate: float, steps: Optional[int] = None,
-                 seed: Optional[int] = None):
+                 seed: Optional[int] = None, secure_mode: bool = False):
         if num_samples <= 0:
             raise ValueError(f"Poisson sampling needs a non-empty dataset, got {num_samples} samples")
-        if not 0 < sample_rate <= 1:
-            raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
-        self.num_samples, self.sample_rate = num_samples, float(sample_rate)
-        self.steps = int(round(1 / sample_rate)) if steps is None else int(steps)
+        self._setup(int(num_samples), sample_rate, steps, seed, secure_mode)
+
+    def _setup(self, num_samples: int, sample_rate: float, steps: Optional[int],
+               seed: Optional[int], secure_mode: bool) -> None:
+        if secure_mode and seed is not None:
+            raise ValueError("secure_mode=True draws batches from OS entropy: do not pass a seed")
+        self.num_samples = num_samples
+        self.sample_rate = check_sample_rate(sample_rate)
+        self.steps = max(1, round(1 / self.sample_rate)) if steps is None else int(steps)
         if self.steps <= 0:
             raise ValueError(f"steps must be positive, got {self.steps}")
-        self.rng = np.random.default_rng(seed if seed is not None else int.from_bytes(os.urandom(8), "little"))
+        self.secure_mode = bool(secure_mode)
+        self.seed = None if secure_mode else (os_entropy(128) if seed is None else int(seed))
+        self.position = 0
+
+    @property
+    def stream(self) -> tuple:
+        """Key separating this sampler's random stream from others with the same seed."""
+        return ()
+
+    @property
+    def expected_batch_size(self) -> float:
+        return self.sample_rate * self.num_samples
+
+    def rng(self, n: int) -> np.random.Generator:
+        """The generator batch ``n`` is drawn from."""
+        if self.secure_mode:
+            return np.random.default_rng(np.random.SeedSequence(os_entropy(256)))
+        return np.random.default_rng(np.random.SeedSequence(self.seed, spawn_key=self.stream + (n,)))
+
+    def batch(self, n: int) -> List[int]:
+        """Indices of global batch ``n``."""
+        rng = self.rng(n)
+        size = int(rng.binomial(self.num_samples, self.sample_rate))
+        return uniform_subset(rng, self.num_samples, size)
 
     def __len__(self) -> int:
         return self.steps
 
     def __iter__(self) -> Iterator[List[int]]:
-        for _ in range(self.steps):
-            size = int(self.rng.binomial(self.num_samples, self.sample_rate))
-            yield uniform_subset(self.rng, self.num_samples, size)
+        end = (self.position // self.steps + 1) * self.steps
+        while self.position < end:
+            n = self.position
+            self.position += 1
+            yield self.batch(n)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"seed": self.seed, "position": self.position, "num_samples": self.num_samples,
+                "sample_rate": self.sample_rate, "secure_mode": self.secure_mode}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        for key in ("num_samples", "sample_rate", "secure_mode"):
+            if state[key] != getattr(self, key):
+                raise ValueError(
+                    f"sampler checkpoint has {key}={state[key]!r}, this sampler {getattr(self, key)!r}: "
+                    "resume with the same dataset, sample rate and mode"
+                )
+        self.seed, self.position = state["seed"], int(state["position"])
 
 
 def _empty_like(batch: Any) -> Any:
@@ -71,6 +135,8 @@ class EmptySafeCollate:
     like a real batch (taken from the dataset's first example)."""
 
     def __init__(self, dataset: Dataset, collate_fn: Callable = default_collate):
+        if isinstance(collate_fn, EmptySafeCollate):
+            collate_fn = collate_fn.collate_fn
         self.dataset, self.collate_fn = dataset, collate_fn
 
     def __call__(self, samples):
@@ -79,10 +145,45 @@ class EmptySafeCollate:
         return self.collate_fn(samples)
 
 
+class PoissonDataLoader(DataLoader):
+    """A DataLoader over a :class:`PoissonBatchSampler` that knows how many batches the
+    training loop has received (``batches_consumed``), so its :meth:`state_dict` is exact
+    even when workers prefetch batches ahead of the loop."""
+
+    def __init__(self, dataset: Dataset, batch_sampler: PoissonBatchSampler, **kwargs):
+        super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
+        self.batches_consumed = batch_sampler.position
+
+    def __iter__(self):
+        self.batch_sampler.position = self.batches_consumed
+        for batch in super().__iter__():
+            self.batches_consumed += 1
+            yield batch
+
+    def state_dict(self) -> Dict[str, Any]:
+        return dict(self.batch_sampler.state_dict(), position=self.batches_consumed)
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.batch_sampler.load_state_dict(state)
+        self.batches_consumed = self.batch_sampler.position
+
+
+def _loader_kwargs(data_loader: DataLoader) -> Dict[str, Any]:
+    kwargs = dict(num_workers=data_loader.num_workers, pin_memory=data_loader.pin_memory,
+                  worker_init_fn=data_loader.worker_init_fn, timeout=data_loader.timeout,
+                  multiprocessing_context=data_loader.multiprocessing_context)
+    if data_loader.num_workers > 0:
+        kwargs.update(persistent_workers=data_loader.persistent_workers,
+                      prefetch_factor=data_loader.prefetch_factor)
+    return kwargs
+
+
 def poisson_loader(data_loader: DataLoader, sample_rate: Optional[float] = None,
-                   steps: Optional[int] = None, seed: Optional[int] = None) -> DataLoader:
-    """A DataLoader over ``data_loader``'s dataset with Poisson batches of expected size
-    ``sample_rate * N`` (default rate: ``batch_size / N``); workers and collate are kept."""
+                   steps: Optional[int] = None, seed: Optional[int] = None,
+                   secure_mode: bool = False) -> PoissonDataLoader:
+    """A loader over ``data_loader``'s dataset with Poisson batches of expected size
+    ``sample_rate * N`` (default rate: ``batch_size / N``); workers and collate are kept
+    (the collate is wrapped in :class:`EmptySafeCollate`)."""
     dataset = data_loader.dataset
     n = len(dataset)
     if n == 0:
@@ -91,15 +192,85 @@ def poisson_loader(data_loader: DataLoader, sample_rate: Optional[float] = None,
         if not data_loader.batch_size:
             raise ValueError("pass sample_rate: the data loader has no batch_size to derive it from")
         sample_rate = data_loader.batch_size / n
-    collate = data_loader.collate_fn
-    if isinstance(collate, EmptySafeCollate):
-        collate = collate.collate_fn
-    return DataLoader(
-        dataset,
-        batch_sampler=PoissonBatchSampler(n, sample_rate, steps, seed),
-        collate_fn=EmptySafeCollate(dataset, collate),
-        num_workers=data_loader.num_workers,
-        pin_memory=data_loader.pin_memory,
-        worker_init_fn=data_loader.worker_init_fn,
-        persistent_workers=data_loader.persistent_workers,
+    return PoissonDataLoader(
+        dataset, PoissonBatchSampler(n, sample_rate, steps, seed, secure_mode),
+        collate_fn=EmptySafeCollate(dataset, data_loader.collate_fn), **_loader_kwargs(data_loader),
     )
+
+
+class _ChunkSampler(Sampler[List[int]]):
+    """Cuts every batch of ``batch_sampler`` into chunks of at most ``size`` indices (an empty
+    batch gives one empty chunk) and queues, per chunk, whether it ends its batch."""
+
+    def __init__(self, batch_sampler: Sampler[List[int]], size: int, ends: Deque[bool]):
+        self.batch_sampler, self.size, self.ends = batch_sampler, size, ends
+
+    def __len__(self) -> int:
+        expected = getattr(self.batch_sampler, "expected_batch_size", None)
+        if expected is None:
+            expected = getattr(self.batch_sampler, "batch_size", self.size)
+        return len(self.batch_sampler) * max(1, math.ceil(expected / self.size))
+
+    def __iter__(self) -> Iterator[List[int]]:
+        for batch in self.batch_sampler:
+            batch = list(batch)
+            starts = range(0, len(batch), self.size) if batch else [0]
+            for start in starts:
+                self.ends.append(start + self.size >= len(batch))
+                yield batch[start:start + self.size]
+
+
+class BatchMemoryManager:
+    """Train on logical batches larger than memory allows, one noisy step per logical batch::
+
+        with BatchMemoryManager(data_loader=loader, max_physical_batch_size=64,
+                                optimizer=optimizer) as chunks:
+            for x, y in chunks:
+                optimizer.zero_grad()
+                loss_fn(model(x), y).backward()
+                optimizer.step()
+
+    Every logical batch of ``data_loader`` is split into chunks of at most
+    ``max_physical_batch_size`` examples (an empty batch is one empty chunk). Before a
+    chunk is handed out the optimizer is told whether it ends its logical batch: on the
+    other chunks ``step()`` only keeps the clipped sums and ``zero_grad()`` keeps them too,
+    so the noise is added and the accountant records once per logical batch. Works with
+    ``loss_reduction="mean"``: the engine rescales each chunk by its own size.
+    """
+
+    def __init__(self, *, data_loader: DataLoader, max_physical_batch_size: int, optimizer):
+        if int(max_physical_batch_size) != max_physical_batch_size or max_physical_batch_size < 1:
+            raise ValueError(f"max_physical_batch_size must be a positive integer, got {max_physical_batch_size}")
+        if data_loader.batch_sampler is None:
+            raise ValueError("BatchMemoryManager needs a data loader with a batch sampler (batch_size or batch_sampler)")
+        self.data_loader, self.optimizer = data_loader, optimizer
+        self._ends: Deque[bool] = deque()
+        self._chunks = DataLoader(
+            data_loader.dataset,
+            batch_sampler=_ChunkSampler(data_loader.batch_sampler, int(max_physical_batch_size), self._ends),
+            collate_fn=EmptySafeCollate(data_loader.dataset, data_loader.collate_fn),
+            **_loader_kwargs(data_loader),
+        )
+
+    def __enter__(self) -> "BatchMemoryManager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.optimizer.signal_skip_step(False)
+
+    def __len__(self) -> int:
+        """Expected number of chunks per epoch."""
+        return len(self._chunks)
+
+    def __iter__(self):
+        source = self.data_loader
+        poisson = isinstance(source, PoissonDataLoader)
+        if poisson:
+            source.batch_sampler.position = source.batches_consumed
+        self._ends.clear()
+        for chunk in self._chunks:
+            last = self._ends.popleft()
+            self.optimizer.signal_skip_step(not last)
+            if last and poisson:
+                source.batches_consumed += 1
+            yield chunk

@@ -1,0 +1,253 @@
+"""Poisson sampling (statistics, O(batch) draws, empty batches, bad input, resuming) and
+BatchMemoryManager (one noisy step per logical batch, equal to the unsplit step)."""
+import math
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+import fastdp
+from fastdp.data import (BatchMemoryManager, EmptySafeCollate, PoissonBatchSampler, PoissonDataLoader,
+                         poisson_loader, uniform_subset)
+
+
+class DictDataset(Dataset):
+    def __init__(self, n):
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(n, 5, generator=g), torch.randint(0, 3, (n,), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "y": self.y[i], "index": i}
+
+
+def dict_collate(samples):
+    return {"x": torch.stack([s["x"] for s in samples]), "y": torch.stack([s["y"] for s in samples]),
+            "index": torch.tensor([s["index"] for s in samples], dtype=torch.long)}
+
+
+# ---------------------------------------------------------------------------- statistics
+def test_batch_sizes_follow_binomial():
+    n, q, steps = 1000, 0.05, 4000
+    sampler = PoissonBatchSampler(n, q, steps=steps, seed=1)
+    sizes = np.array([len(b) for b in sampler])
+    mean, var = n * q, n * q * (1 - q)
+    # sample mean within 5 standard errors; sample variance within 5 s.e. (var of s^2 ~ 2 var^2 / steps)
+    assert abs(sizes.mean() - mean) < 5 * math.sqrt(var / steps)
+    assert abs(sizes.var(ddof=1) - var) < 5 * var * math.sqrt(2 / steps)
+
+
+def test_inclusion_is_uniform_and_independent():
+    n, q, steps = 200, 0.1, 3000
+    sampler = PoissonBatchSampler(n, q, steps=steps, seed=2)
+    counts = np.zeros(n)
+    pair = 0
+    for batch in sampler:
+        assert len(set(batch)) == len(batch) and all(0 <= i < n for i in batch)
+        counts[batch] += 1
+        pair += (0 in batch) and (1 in batch)
+    expected = steps * q
+    chi2 = ((counts - expected) ** 2 / (expected * (1 - q))).sum()
+    # chi-square with n - 1 dof: mean 199, sd ~20; 6 sd either side
+    assert n - 1 - 6 * math.sqrt(2 * n) < chi2 < n - 1 + 6 * math.sqrt(2 * n)
+    # joint inclusion of two fixed examples ~ q^2 (independence)
+    assert abs(pair - steps * q * q) < 5 * math.sqrt(steps * q * q)
+
+
+def test_uniform_subset_is_uniform():
+    rng = np.random.default_rng(3)
+    counts = np.zeros(10)
+    for _ in range(5000):
+        counts[uniform_subset(rng, 10, 3)] += 1
+    expected = 5000 * 3 / 10
+    assert np.all(np.abs(counts - expected) < 5 * math.sqrt(expected))
+
+
+def test_sampling_cost_is_per_batch_not_per_dataset():
+    sampler = PoissonBatchSampler(10**12, 1e-10, steps=20, seed=0)  # a pass over N would never end
+    start = time.perf_counter()
+    sizes = [len(b) for b in sampler]
+    assert time.perf_counter() - start < 2.0
+    assert all(0 <= s < 1000 for s in sizes) and max(sizes) <= 10**12
+
+
+def test_full_batch_rate_one():
+    assert [sorted(b) for b in PoissonBatchSampler(7, 1.0, steps=3, seed=0)] == [list(range(7))] * 3
+
+
+# ---------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("rate", [0, -0.1, 1.5, float("nan")])
+def test_sample_rate_outside_unit_interval_is_rejected(rate):
+    with pytest.raises(ValueError, match="sample_rate"):
+        PoissonBatchSampler(10, rate)
+    with pytest.raises(ValueError, match="sample_rate"):
+        poisson_loader(DataLoader(TensorDataset(torch.zeros(10, 2)), batch_size=2), sample_rate=rate)
+
+
+def test_empty_dataset_is_rejected():
+    with pytest.raises(ValueError, match="empty"):
+        poisson_loader(DataLoader(TensorDataset(torch.zeros(0, 2)), batch_size=2))
+    with pytest.raises(ValueError, match="non-empty"):
+        PoissonBatchSampler(0, 0.5)
+
+
+def test_seed_with_secure_mode_is_rejected():
+    with pytest.raises(ValueError, match="seed"):
+        PoissonBatchSampler(10, 0.5, seed=3, secure_mode=True)
+
+
+def test_bad_physical_batch_size():
+    loader = poisson_loader(DataLoader(TensorDataset(torch.zeros(10, 2)), batch_size=2), seed=0)
+    with pytest.raises(ValueError, match="max_physical_batch_size"):
+        BatchMemoryManager(data_loader=loader, max_physical_batch_size=0, optimizer=None)
+
+
+# ---------------------------------------------------------------------------- batches
+def test_dict_batches_with_custom_collate_and_empty_batches():
+    data = DictDataset(6)
+    loader = poisson_loader(DataLoader(data, batch_size=1, collate_fn=dict_collate), sample_rate=0.1,
+                            steps=60, seed=0)
+    assert isinstance(loader, PoissonDataLoader) and isinstance(loader.collate_fn, EmptySafeCollate)
+    batches = list(loader)
+    assert len(batches) == 60
+    empty = [b for b in batches if len(b["index"]) == 0]
+    assert empty, "q=0.1 over 6 examples gives empty batches"
+    for b in empty:
+        assert b["x"].shape == (0, 5) and b["y"].shape == (0,) and b["index"].dtype == torch.long
+    full = [b for b in batches if len(b["index"])]
+    for b in full:
+        assert torch.equal(b["x"], data.x[b["index"]])
+
+
+def test_empty_batch_still_steps_and_adds_noise():
+    torch.manual_seed(0)
+    model = nn.Linear(5, 3)
+    before = model.weight.detach().clone()
+    opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=1.0), module=model, noise_multiplier=1.0,
+                             max_grad_norm=1.0, expected_batch_size=2, seed=0)
+    steps = []
+    opt.attach_step_hook(lambda o: steps.append(o.steps))
+    x = torch.zeros(0, 5)
+    nn.functional.cross_entropy(model(x), torch.zeros(0, dtype=torch.long), reduction="sum").backward()
+    opt.step()
+    assert steps == [1]
+    assert not torch.equal(model.weight, before)
+
+
+def test_same_seed_same_batches_and_different_seed_differs():
+    a = list(PoissonBatchSampler(100, 0.1, steps=5, seed=7))
+    assert a == list(PoissonBatchSampler(100, 0.1, steps=5, seed=7))
+    assert a != list(PoissonBatchSampler(100, 0.1, steps=5, seed=8))
+    s1, s2 = PoissonBatchSampler(100, 0.1, steps=5), PoissonBatchSampler(100, 0.1, steps=5)
+    assert list(s1) != list(s2)  # unseeded: OS entropy
+
+
+def test_epochs_differ_and_secure_mode_batches_are_fresh():
+    sampler = PoissonBatchSampler(100, 0.1, steps=5, seed=7)
+    assert list(sampler) != list(sampler)
+    secure = PoissonBatchSampler(100, 0.1, steps=200, secure_mode=True)
+    assert secure.state_dict()["seed"] is None
+    sizes = [len(b) for b in secure]
+    assert abs(np.mean(sizes) - 10) < 5 * math.sqrt(9 / 200)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_position_with_prefetching_workers(workers):
+    data = TensorDataset(torch.arange(50).float())
+    make = lambda: poisson_loader(DataLoader(data, batch_size=5, num_workers=workers), steps=10, seed=4)
+    full = [b[0].tolist() for b in make()]
+    loader = make()
+    first = []
+    for i, (x,) in enumerate(loader):
+        first.append(x.tolist())
+        if i == 3:
+            break
+    state = loader.state_dict()
+    assert state["position"] == 4
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert first + [b[0].tolist() for b in resumed] == full
+
+
+def test_loader_state_rejects_other_dataset():
+    loader = poisson_loader(DataLoader(TensorDataset(torch.zeros(10)), batch_size=2), seed=0)
+    other = poisson_loader(DataLoader(TensorDataset(torch.zeros(11)), batch_size=2), seed=0)
+    with pytest.raises(ValueError, match="num_samples"):
+        other.load_state_dict(loader.state_dict())
+
+
+# ---------------------------------------------------------------------------- BatchMemoryManager
+def _setup(seed=0, noise=0.0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9), module=model,
+                             noise_multiplier=noise, max_grad_norm=0.3, expected_batch_size=8, seed=11)
+    return model, opt
+
+
+def _train(model, opt, batches, zero_first):
+    for b in batches:
+        if zero_first:
+            opt.zero_grad()
+        nn.functional.cross_entropy(model(b["x"]), b["y"]).backward()
+        opt.step()
+        if not zero_first:
+            opt.zero_grad()
+
+
+@pytest.mark.parametrize("zero_first", [True, False])
+def test_memory_manager_matches_unsplit_logical_batches(zero_first):
+    data = DictDataset(40)
+    make = lambda: poisson_loader(DataLoader(data, batch_size=8, collate_fn=dict_collate), steps=6, seed=5)
+    model_a, opt_a = _setup(noise=1.0)
+    counter = []
+    opt_a.attach_step_hook(lambda o: counter.append(1))
+    _train(model_a, opt_a, make(), zero_first)
+
+    model_b, opt_b = _setup(noise=1.0)
+    counter_b = []
+    opt_b.attach_step_hook(lambda o: counter_b.append(1))
+    chunks = []
+    with BatchMemoryManager(data_loader=make(), max_physical_batch_size=3, optimizer=opt_b) as loader:
+        for b in loader:
+            chunks.append(len(b["index"]))
+            _train(model_b, opt_b, [b], zero_first)
+    assert max(chunks) <= 3 and len(chunks) > 6
+    assert len(counter) == len(counter_b) == opt_b.steps == 6
+    for p, q in zip(model_a.parameters(), model_b.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+def test_memory_manager_empty_logical_batch_is_one_step():
+    data = DictDataset(4)
+    loader = poisson_loader(DataLoader(data, batch_size=1, collate_fn=dict_collate), sample_rate=0.05,
+                            steps=20, seed=0)
+    model, opt = _setup(noise=1.0)
+    sizes = [len(b) for b in loader.batch_sampler.__class__(4, 0.05, steps=20, seed=0)]
+    assert 0 in sizes
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=2, optimizer=opt) as chunks:
+        n_chunks = 0
+        for b in chunks:
+            n_chunks += 1
+            _train(model, opt, [b], True)
+    assert opt.steps == 20
+    assert n_chunks == sum(max(1, math.ceil(s / 2)) for s in sizes)
+    assert loader.batches_consumed == 20
+
+
+def test_memory_manager_with_plain_loader():
+    data = TensorDataset(torch.randn(10, 5), torch.randint(0, 3, (10,)))
+    model, opt = _setup()
+    with BatchMemoryManager(data_loader=DataLoader(data, batch_size=5), max_physical_batch_size=2,
+                            optimizer=opt) as chunks:
+        assert len(chunks) == 6
+        for x, y in chunks:
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    assert opt.steps == 2
