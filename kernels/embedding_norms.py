@@ -16,13 +16,25 @@ import triton.language as tl
 
 
 @triton.jit
+def _add(x, y):
+    return x + y
+
+
+@triton.jit
+def _total(x):
+    """Sum of all entries. Kernels here use Triton builtins only (tl.reduce, tl.full; not the
+    jit-defined tl.sum, tl.zeros), so they run under a TRITON_INTERPRET=1 set after import."""
+    return tl.reduce(tl.reshape(x, (x.numel,)), 0, _add)
+
+
+@triton.jit
 def _embedding_kernel(ids_sorted, order, g, partial, T, D, padding_idx, sgb, sgt, sgd,
                       HAS_PADDING: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
     i = tl.program_id(0)
     tile_d = tl.program_id(1)
     cols = tile_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    run = tl.zeros((BLOCK_D,), ACC)
-    total = tl.zeros((BLOCK_D,), tl.float64)
+    run = tl.full((BLOCK_D,), 0, ACC)
+    total = tl.full((BLOCK_D,), 0, tl.float64)
     prev = tl.load(ids_sorted + i * T)
     for t in range(0, T):
         token = tl.load(ids_sorted + i * T + t)
@@ -31,12 +43,12 @@ def _embedding_kernel(ids_sorted, order, g, partial, T, D, padding_idx, sgb, sgt
         run = tl.where(new_id, 0.0, run)
         keep = cols < D
         if HAS_PADDING:
-            keep = keep & (tl.zeros_like(cols) + token != padding_idx)
+            keep = keep & (cols * 0 + token != padding_idx)
         row = tl.load(g + i * sgb + tl.load(order + i * T + t) * sgt + cols * sgd, mask=keep, other=0.0)
         run += row.to(ACC)
         prev = token
     total += (run * run).to(tl.float64)
-    tl.store(partial + i * tl.num_programs(1) + tile_d + tl.arange(0, 1), tl.sum(total, axis=0)[None])
+    tl.store(partial + i * tl.num_programs(1) + tile_d + tl.arange(0, 1), _total(total)[None])
 
 
 def embedding_sq_norms_triton(

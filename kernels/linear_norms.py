@@ -27,10 +27,22 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
+def _add(x, y):
+    return x + y
+
+
+@triton.jit
+def _total(x):
+    """Sum of all entries. Kernels here use Triton builtins only (tl.reduce, tl.full; not the
+    jit-defined tl.sum, tl.zeros), so they run under a TRITON_INTERPRET=1 set after import."""
+    return tl.reduce(tl.reshape(x, (x.numel,)), 0, _add)
+
+
+@triton.jit
 def _gram_tile(x, rows_s, rows_t, n_rows, n_cols, stride_t, stride_k,
                BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """``x[rows_s] @ x[rows_t]^T`` for one sample, rows and columns past the edge read as 0."""
-    acc = tl.zeros((BLOCK_T, BLOCK_T), ACC)
+    acc = tl.full((BLOCK_T, BLOCK_T), 0, ACC)
     for k0 in range(0, n_cols, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         col_ok = cols[None, :] < n_cols
@@ -50,13 +62,13 @@ def _ghost_kernel(a, g, partial, T, D, P, sab, sat, sad, sgb, sgt, sgp,
     tile_s = tl.program_id(1)
     n_tiles = tl.num_programs(1)
     rows_s = tile_s * BLOCK_T + tl.arange(0, BLOCK_T)
-    total = tl.zeros((1,), tl.float64)
+    total = tl.full((1,), 0, tl.float64)
     for tile_t in range(tile_s, n_tiles):
         rows_t = tile_t * BLOCK_T + tl.arange(0, BLOCK_T)
         gram_a = _gram_tile(a + i * sab, rows_s, rows_t, T, D, sat, sad, BLOCK_T, BLOCK_K, ACC, PRECISION, UPCAST)
         gram_g = _gram_tile(g + i * sgb, rows_s, rows_t, T, P, sgt, sgp, BLOCK_T, BLOCK_K, ACC, PRECISION, UPCAST)
         weight = tl.where(tile_t > tile_s, 2.0, 1.0)
-        total += weight * tl.sum(tl.sum(gram_a * gram_g, axis=1), axis=0).to(tl.float64)
+        total += weight * _total(gram_a * gram_g).to(tl.float64)
     tl.store(partial + i * n_tiles + tile_s + tl.arange(0, 1), total)
 
 
@@ -67,10 +79,10 @@ def _direct_kernel(a, g, partial, T, D, P, sab, sat, sad, sgb, sgt, sgp,
     i = tl.program_id(0)
     tile_p = tl.program_id(1)
     rows_p = tile_p * BLOCK_P + tl.arange(0, BLOCK_P)
-    total = tl.zeros((1,), tl.float64)
+    total = tl.full((1,), 0, tl.float64)
     for d0 in range(0, D, BLOCK_D):
         cols_d = d0 + tl.arange(0, BLOCK_D)
-        tile = tl.zeros((BLOCK_P, BLOCK_D), ACC)
+        tile = tl.full((BLOCK_P, BLOCK_D), 0, ACC)
         for t0 in range(0, T, BLOCK_T):
             ts = t0 + tl.arange(0, BLOCK_T)
             gt = tl.load(g + i * sgb + ts[:, None] * sgt + rows_p[None, :] * sgp,
@@ -81,7 +93,7 @@ def _direct_kernel(a, g, partial, T, D, P, sab, sat, sad, sgb, sgt, sgp,
                            input_precision=PRECISION, out_dtype=ACC)
         valid = (rows_p[:, None] < P) & (cols_d[None, :] < D)
         tile = tl.where(valid, tile, 0.0)
-        total += tl.sum(tl.sum(tile * tile, axis=1), axis=0).to(tl.float64)
+        total += _total(tile * tile).to(tl.float64)
     tl.store(partial + i * tl.num_programs(1) + tile_p + tl.arange(0, 1), total)
 
 

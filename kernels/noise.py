@@ -103,6 +103,20 @@ def noisy_average_philox_ref(
 
 
 @triton.jit
+def _philox(c0, c1, c2, c3, k0, k1):
+    """Triton twin of ``philox4x32_10_ref`` on uint32 tensors (key words uint32 scalars)."""
+    for _ in tl.static_range(10):
+        hi0 = tl.umulhi(c0, 0xD2511F53)
+        hi1 = tl.umulhi(c2, 0xCD9E8D57)
+        lo0 = c0 * 0xD2511F53
+        lo1 = c2 * 0xCD9E8D57
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+        k0 += 0x9E3779B9
+        k1 += 0xBB67AE85
+    return c0, c1, c2, c3
+
+
+@triton.jit
 def _box_muller(w_radius, w_angle):
     """Triton twin of ``box_muller_ref`` (uint32 words in, two float32 normals out)."""
     u = ((w_radius >> 1).to(tl.int32).to(tl.float32) + 1.0) * 4.656612873077392578125e-10
@@ -130,7 +144,7 @@ def _box_muller(w_radius, w_angle):
 
 @triton.jit
 def _noisy_average_kernel(
-    like, src_ptrs, dst_ptrs, numels, indices, prog_tensor, prog_group, seed, std, divisor,
+    like, src_ptrs, dst_ptrs, numels, indices, prog_tensor, prog_group, seed_lo, seed_hi, std, divisor,
     GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,
 ):
     """One program: GROUPS_PER_PROG groups of 4*GROUP elements of tensor prog_tensor[pid]."""
@@ -144,8 +158,8 @@ def _noisy_average_kernel(
     counter = group * GROUP + tl.arange(0, GROUP)[None, :]
     c0 = (counter & 0xFFFFFFFF).to(tl.uint32)
     c1 = (counter >> 32).to(tl.uint32)
-    c2 = tl.zeros_like(c0) + tl.load(indices + t).to(tl.uint32)
-    w0, w1, w2, w3 = tl.philox(seed, c0, c1, c2, tl.zeros_like(c0), n_rounds=10)
+    c2 = c0 * 0 + tl.load(indices + t).to(tl.uint32)
+    w0, w1, w2, w3 = _philox(c0, c1, c2, c0 * 0, seed_lo.to(tl.uint32), seed_hi.to(tl.uint32))
     z0, z1 = _box_muller(w0, w1)
     z2, z3 = _box_muller(w2, w3)
     base = group * (4 * GROUP) + tl.arange(0, GROUP)[None, :]
@@ -185,7 +199,7 @@ def noisy_average_triton(
         _noisy_average_kernel[(prog_tensor.numel(),)](
             srcs[members[0]], table([srcs[k].data_ptr() for k in members]),
             table([outs[k].data_ptr() for k in members]), table([srcs[k].numel() for k in members]),
-            table(members), prog_tensor, prog_group, seed & (2**64 - 1), float(std), float(divisor),
+            table(members), prog_tensor, prog_group, seed & _MASK32, (seed >> 32) & _MASK32, float(std), float(divisor),
             GROUP=GROUP, GROUPS_PER_PROG=groups_per_prog,
         )
     return outs

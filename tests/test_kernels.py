@@ -1,0 +1,237 @@
+"""Kernels against their references: native (C++) directly, Triton under TRITON_INTERPRET=1.
+
+Shapes and dtypes are drawn by hypothesis and kept small so the interpreter stays fast.
+The noise tests check the Philox stream (known-answer vectors, the three implementations
+agree), the normal transform against float64 math, and the statistics of millions of draws.
+"""
+import importlib
+import math
+import os
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastdp import ops
+
+native = pytest.importorskip("fastdp._native_ops", reason="native extension not built")
+
+
+def _interpreted(name: str):
+    """Import (or re-import) a Triton kernel module with TRITON_INTERPRET=1, for CPU tensors."""
+    pytest.importorskip("triton")
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        return importlib.reload(importlib.import_module(name))
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+@pytest.fixture(scope="module")
+def tri():
+    return {name: _interpreted(f"kernels.{name}") for name in ("noise", "linear_norms", "embedding_norms")}
+
+
+noise_ref = importlib.import_module("kernels.noise") if importlib.util.find_spec("triton") else None
+FAST = settings(max_examples=12, deadline=None)
+DTYPES = st.sampled_from([torch.float32, torch.float64, torch.bfloat16])
+
+
+def rel_err(x, ref):
+    return ((x - ref).abs() / ref.abs().clamp_min(1e-30)).max().item()
+
+
+# --------------------------------------------------------------------------- noise stream
+
+
+@pytest.mark.skipif(noise_ref is None, reason="triton not installed")
+def test_philox_known_answers():
+    """Random123's published Philox4x32-10 vectors."""
+    one = lambda v: torch.tensor([v], dtype=torch.int64)
+    cases = [
+        ([0, 0, 0, 0], (0, 0), [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]),
+        ([0xFFFFFFFF] * 4, (0xFFFFFFFF, 0xFFFFFFFF), [0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD]),
+        ([0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344], (0xA4093822, 0x299F31D0),
+         [0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1]),
+    ]
+    for counter, key, expected in cases:
+        out = noise_ref.philox4x32_10_ref([one(c) for c in counter], *key)
+        assert [int(w) for w in out] == expected
+
+
+@pytest.mark.skipif(noise_ref is None, reason="triton not installed")
+def test_box_muller_matches_float64_math():
+    """The polynomial ln/sin/cos agree with float64 libm on the same (float32) u and angle."""
+    gen = torch.Generator().manual_seed(0)
+    words = torch.randint(0, 2**32, (2, 1 << 18), generator=gen, dtype=torch.int64)
+    words[0, :4] = torch.tensor([0, 1, 2**32 - 1, 2**31])  # u at both ends
+    words[1, :4] = torch.tensor([0, 2**30, 2**31, 3 * 2**30])  # quadrant boundaries
+    z0, z1 = noise_ref.box_muller_ref(words[0], words[1])
+    u = (((words[0] >> 1).float() + 1) * 2.0**-31).double()  # u is rounded to float32 by design
+    r = torch.sqrt(-2 * torch.log(u))
+    theta = 2 * math.pi * words[1].double() / 2**32
+    tol = 4e-7 * (1 + r)
+    assert ((z0.double() - r * torch.cos(theta)).abs() <= tol).all()
+    assert ((z1.double() - r * torch.sin(theta)).abs() <= tol).all()
+
+
+@pytest.mark.skipif(noise_ref is None, reason="triton not installed")
+@FAST
+@given(
+    sizes=st.lists(st.integers(0, 2600), min_size=1, max_size=4),
+    dtype=DTYPES,
+    seed=st.integers(0, 2**64 - 1),
+    std=st.floats(0.1, 3.0),
+    divisor=st.floats(0.5, 300.0),
+)
+def test_noise_kernels_match_stream_reference(tri, sizes, dtype, seed, std, divisor):
+    sums = [torch.randn(n, dtype=torch.float64).to(dtype) for n in sizes]
+    ref = noise_ref.noisy_average_philox_ref(sums, std, divisor, seed)
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-6
+    for impl in (native.noisy_average, tri["noise"].noisy_average_triton):
+        out = impl(sums, std, divisor, seed)
+        for o, r, s in zip(out, ref, sums):
+            assert o.dtype == s.dtype and o.shape == s.shape
+            torch.testing.assert_close(o.double(), r.double(), rtol=tol, atol=tol * (1 + std) / divisor)
+
+
+def test_native_noise_shapes_and_layouts():
+    """Non-contiguous and n-d tensors are handled; std=0 is the plain average."""
+    s = torch.randn(6, 5).t()
+    (out,) = native.noisy_average([s], 1.0, 2.0, 1)
+    (ref,) = native.noisy_average([s.contiguous()], 1.0, 2.0, 1)
+    assert out.shape == s.shape and torch.equal(out, ref)
+    assert torch.equal(native.noisy_average([s], 0.0, 2.0, 1)[0], s / 2)
+
+
+N_STAT = 1 << 22
+
+
+@pytest.fixture(scope="module")
+def draws():
+    """z of four parameters (two under seed 7, one under seed 8) from the native kernel."""
+    zeros = [torch.zeros(N_STAT), torch.zeros(N_STAT), torch.zeros(1000, 3)]
+    a = native.noisy_average(zeros, 1.0, 1.0, 7)
+    b = native.noisy_average(zeros[:1], 1.0, 1.0, 8)
+    return a[0].double(), a[1].double(), b[0].double()
+
+
+def test_noise_is_standard_normal(draws):
+    from scipy import stats
+
+    z = draws[0].numpy()
+    n = z.size
+    assert abs(z.mean()) < 5 / math.sqrt(n)
+    assert abs(z.std() - 1) < 5 * math.sqrt(0.5 / n)
+    assert stats.kstest(z, "norm").pvalue > 1e-4
+    tail = stats.norm.sf(4.0) * 2
+    assert abs((np.abs(z) > 4.0).sum() - n * tail) < 6 * math.sqrt(n * tail)
+    assert abs(stats.kurtosis(z)) < 5 * math.sqrt(24 / n)
+
+
+def test_noise_streams_are_uncorrelated(draws):
+    z, other_param, other_seed = draws
+    bound = 5 / math.sqrt(z.numel())
+    corr = lambda x, y: float(torch.corrcoef(torch.stack([x, y]))[0, 1])
+    assert abs(corr(z, other_param)) < bound  # parameters of one step
+    assert abs(corr(z, other_seed)) < bound  # consecutive seeds (steps)
+    assert abs(corr(z[:-1], z[1:])) < bound  # neighbouring elements
+    lanes = z[: (z.numel() // 1024) * 1024].view(-1, 4, 256)  # the 4 words of one Philox call
+    for i in range(3):
+        assert abs(corr(lanes[:, i].reshape(-1), lanes[:, i + 1].reshape(-1))) < 2 * bound
+        assert abs(corr(lanes[:, i].reshape(-1) ** 2, lanes[:, i + 1].reshape(-1) ** 2)) < 2 * bound
+
+
+def test_noise_reproducible_and_scaled():
+    s = torch.randn(50_001)
+    z = native.noisy_average([torch.zeros_like(s)], 1.0, 1.0, 42)[0]
+    again = native.noisy_average([torch.zeros_like(s)], 1.0, 1.0, 42)[0]
+    assert torch.equal(z, again)
+    out = native.noisy_average([s], 2.5, 8.0, 42)[0]
+    torch.testing.assert_close(out, (s + 2.5 * z) / 8.0, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(z, native.noisy_average([torch.zeros_like(s)], 1.0, 1.0, 43)[0])
+
+
+# --------------------------------------------------------------------------- norms
+
+
+def _linear_inputs(batch, seq, d, p, dtype, strided):
+    a = torch.randn(batch, seq, d, dtype=torch.float64).to(dtype)
+    g = torch.randn(batch, seq, p, dtype=torch.float64).to(dtype)
+    if strided:  # a (B, T, d) view with a non-unit inner stride
+        a = torch.randn(batch, seq, 2 * d, dtype=torch.float64).to(dtype)[..., ::2]
+    return a, g
+
+
+@FAST
+@given(batch=st.sampled_from([1, 2, 5]), seq=st.integers(1, 40), d=st.integers(1, 40), p=st.integers(1, 40),
+       dtype=DTYPES, strided=st.booleans())
+def test_linear_norm_kernels(tri, batch, seq, d, p, dtype, strided):
+    a, g = _linear_inputs(batch, seq, d, p, dtype, strided)
+    exact = ops.linear_sq_norms_direct_ref(a.double(), g.double())
+    ln = tri["linear_norms"]
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    for out in (ln.linear_sq_norms_ghost_triton(a, g, block_t=16, block_k=16),
+                ln.linear_sq_norms_direct_triton(a, g, block_p=16, block_d=16, block_t=16)):
+        assert out.dtype == torch.float64 and out.shape == (batch,)
+        assert rel_err(out, exact) < tol
+
+
+def test_linear_norm_kernels_large_batch_and_default_blocks(tri):
+    a, g = _linear_inputs(64, 5, 7, 3, torch.float32, False)
+    exact = ops.linear_sq_norms_direct_ref(a.double(), g.double())
+    ln = tri["linear_norms"]
+    assert rel_err(ln.linear_sq_norms_ghost_triton(a, g), exact) < 2e-6
+    assert rel_err(ln.linear_sq_norms_direct_triton(a, g), exact) < 2e-6
+    empty = a[:0]
+    assert ln.linear_sq_norms_ghost_triton(empty, g[:0]).shape == (0,)
+
+
+@FAST
+@given(batch=st.sampled_from([1, 3, 40]), seq=st.integers(1, 24), dim=st.integers(1, 70), vocab=st.integers(1, 6),
+       padding=st.sampled_from([None, 0, 2]), dtype=DTYPES)
+def test_embedding_norm_kernels(tri, batch, seq, dim, vocab, padding, dtype):
+    ids = torch.randint(0, vocab, (batch, seq))
+    g = torch.randn(batch, seq, dim, dtype=torch.float64).to(dtype)
+    exact = ops.embedding_sq_norms_ref(ids, g.double(), padding)
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    for out in (native.embedding_sq_norms(ids, g, padding),
+                tri["embedding_norms"].embedding_sq_norms_triton(ids, g, padding, block_d=32)):
+        assert out.dtype == torch.float64 and out.shape == (batch,)
+        torch.testing.assert_close(out, exact, rtol=tol, atol=1e-300)
+
+
+def test_embedding_norm_all_padding():
+    ids = torch.zeros(3, 5, dtype=torch.long)
+    assert torch.equal(native.embedding_sq_norms(ids, torch.randn(3, 5, 4), 0), torch.zeros(3, dtype=torch.float64))
+
+
+# --------------------------------------------------------------------------- dispatch
+
+
+def test_auto_uses_native_on_cpu(monkeypatch):
+    monkeypatch.delenv("FASTDP_BACKEND", raising=False)
+    assert ops.implementation("noisy_average", torch.device("cpu"))[0] == "native"
+    assert ops.implementation("embedding_sq_norms", torch.device("cpu"))[0] == "native"
+
+
+def test_forced_missing_backend_warns_once(monkeypatch):
+    """A forced backend that cannot be imported: one warning, then the references."""
+    monkeypatch.setenv("FASTDP_BACKEND", "native")
+    monkeypatch.setattr(ops, "_backends_loaded", False)
+    monkeypatch.setattr(ops, "_BACKEND_MODULES", {"native": "fastdp._no_such_ext", "triton": "kernels._nope"})
+    monkeypatch.setattr(ops, "_REGISTRY", {})
+    a, g = torch.randn(2, 3, 4), torch.randn(2, 3, 5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = ops.linear_sq_norms_ghost(a, g)
+        ops.noisy_average([a], 1.0, 1.0, 0)
+    assert len(caught) == 1 and "FASTDP_BACKEND=native" in str(caught[0].message)
+    torch.testing.assert_close(out, ops.linear_sq_norms_ghost_ref(a, g))
