@@ -228,27 +228,29 @@ def subsampled_gaussian_pld(
 
 
 # --------------------------------------------------------------------------- composition
-_LAMBDAS = np.geomspace(1e-3, 1e6, 181)
+_LAMBDA_STEPS = np.geomspace(1.0 / 64.0, 64.0, 25)
 
 
-def _block_log_mgf(pld: DiscretePLD, lambdas: np.ndarray, blocks: int = 2048) -> Tuple[np.ndarray, np.ndarray]:
-    """Upper bounds on log E[e^{lam L}] (finite part) for lam > 0 and for -lam < 0.
+def _log_mgf(pld: DiscretePLD, lambdas: np.ndarray) -> np.ndarray:
+    """log E[exp(lam * L); L finite] for each lam (any sign), from the exact grid masses."""
+    keep = pld.probs > 0
+    log_p = np.log(pld.probs[keep])
+    losses = pld.losses[keep]
+    out = np.empty(lambdas.size)
+    for k, lam in enumerate(lambdas):
+        exponent = log_p + lam * losses
+        top = exponent.max()
+        out[k] = top + math.log(np.exp(exponent - top).sum())
+    return out
 
-    The support is cut into blocks; each block's mass is placed at its upper end for
-    positive lam and at its lower end for negative lam, which only increases the MGF.
-    """
-    p = pld.probs
-    n = p.size
-    edges = np.linspace(0, n, min(blocks, n) + 1).astype(np.int64)
-    edges = np.unique(edges)
-    mass = np.add.reduceat(p, edges[:-1])
-    lower = (pld.offset + edges[:-1]) * pld.interval
-    upper = (pld.offset + edges[1:] - 1) * pld.interval
-    with np.errstate(divide="ignore"):
-        log_mass = np.log(mass)
-    pos = special.logsumexp(log_mass[None, :] + lambdas[:, None] * upper[None, :], axis=1)
-    neg = special.logsumexp(log_mass[None, :] - lambdas[:, None] * lower[None, :], axis=1)
-    return pos, neg
+
+def _moments(pld: DiscretePLD) -> Tuple[float, float]:
+    """Mean and variance of the finite part (normalised)."""
+    mass = pld.probs.sum()
+    losses = pld.losses
+    mean = float((pld.probs * losses).sum() / mass)
+    var = float((pld.probs * (losses - mean) ** 2).sum() / mass)
+    return mean, var
 
 
 def _fold(probs: np.ndarray, n: int) -> np.ndarray:
@@ -283,16 +285,23 @@ def compose_plds(
     if any(g.interval != h for g, _ in groups):
         raise ValueError("all PLDs must share one discretisation interval")
     log_tail = math.log(tail)
-    pos = np.zeros(_LAMBDAS.size)
-    neg = np.zeros(_LAMBDAS.size)
+    # Chernoff: P(S >= t) <= exp(sum_g T_g log M_g(lam) - lam t) for lam > 0 (and the
+    # mirror image for lam < 0).  The lam grid is centred on the Gaussian optimum.
+    total_var = 0.0
+    for pld, count in groups:
+        total_var += count * _moments(pld)[1]
+    total_var = max(total_var, (h * h) / 12.0)
+    lam0 = math.sqrt(2.0 * -log_tail / total_var)
+    lambdas = lam0 * _LAMBDA_STEPS
+    pos = np.zeros(lambdas.size)
+    neg = np.zeros(lambdas.size)
     log_keep = 0.0  # log of the probability that no step hits +inf
     for pld, count in groups:
-        p_pos, p_neg = _block_log_mgf(pld, _LAMBDAS)
-        pos += count * p_pos
-        neg += count * p_neg
-        log_keep += count * math.log1p(-min(pld.inf_mass, 1.0)) if pld.inf_mass < 1.0 else -math.inf
-    hi_loss = float(np.min((pos - log_tail) / _LAMBDAS))
-    lo_loss = float(np.max((log_tail - neg) / _LAMBDAS))
+        pos += count * _log_mgf(pld, lambdas)
+        neg += count * _log_mgf(pld, -lambdas)
+        log_keep += count * math.log1p(-pld.inf_mass) if pld.inf_mass < 1.0 else -math.inf
+    hi_loss = float(np.min((pos - log_tail) / lambdas))
+    lo_loss = float(np.max((log_tail - neg) / lambdas))
     hi = math.ceil(hi_loss / h)
     lo = math.floor(lo_loss / h)
     size = sp_fft.next_fast_len(hi - lo + 1, real=True)
