@@ -1,0 +1,138 @@
+"""DP-SGD over ``torch.distributed`` (data parallel, any backend; tested with gloo).
+
+Conventions:
+
+* Sampling: rank r owns the shard ``r, r + W, r + 2W, ...`` of the N examples and
+  Poisson-samples it with the GLOBAL rate q. The union over ranks is exactly one Poisson
+  batch of the whole dataset with rate q (expected size q N); a rank may get no
+  examples (it still takes part in every step). All ranks share one seed (rank 0's,
+  broadcast) and draw from per-rank streams of it.
+* Clipping: each rank clips its own examples (the engine, unchanged).
+* Reduction: the clipped sums are all-reduced (SUM) in one flat buffer per dtype.
+* Noise: **rank 0 adds all of it**, N(0, sigma^2 C^2), to its local sum before the
+  all-reduce; the other ranks add none. The reduced sum therefore carries the noise
+  exactly once, every rank receives the identical noisy sum, and with the same seed a
+  W-rank run draws the very noise a 1-rank run would.
+* Division: by the GLOBAL expected batch size q N, passed as ``expected_batch_size``.
+* Accounting: on rank 0 only (``attach_accountant`` is a no-op elsewhere).
+
+Do not wrap the model in ``DistributedDataParallel``: its hooks all-reduce ordinary
+gradients, which the engine never produces. The optimizer broadcasts rank 0's
+parameters and buffers once at construction so that all replicas start equal.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+from fastdp.data import EmptySafeCollate, PoissonBatchSampler, PoissonDataLoader, _loader_kwargs, uniform_subset
+from fastdp.optimizer import DPOptimizer
+from fastdp.secure import os_entropy
+
+
+def _rank_world(rank: Optional[int], world_size: Optional[int], group=None):
+    if rank is None or world_size is None:
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed is not initialised: call init_process_group, or pass rank and world_size")
+        rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} outside a world of {world_size}")
+    return int(rank), int(world_size)
+
+
+class DistributedPoissonBatchSampler(PoissonBatchSampler):
+    """This rank's share of a Poisson batch with rate q over ``num_samples`` examples: global
+    indices of its shard ``rank::world_size``, each included with probability q.
+
+    ``rank``/``world_size`` default to the default process group's. ``seed=None`` takes
+    rank 0's seed (OS entropy) by broadcast; ``secure_mode=True`` draws every batch from
+    fresh OS entropy on every rank.
+    """
+
+    def __init__(self, num_samples: int, sample_rate: float, steps: Optional[int] = None,
+                 seed: Optional[int] = None, secure_mode: bool = False,
+                 rank: Optional[int] = None, world_size: Optional[int] = None):
+        if num_samples <= 0:
+            raise ValueError(f"Poisson sampling needs a non-empty dataset, got {num_samples} samples")
+        self.rank, self.world_size = _rank_world(rank, world_size)
+        self.global_samples = int(num_samples)
+        if seed is None and not secure_mode and dist.is_initialized():
+            box = [os_entropy(128)]
+            dist.broadcast_object_list(box, src=0)
+            seed = box[0]
+        shard = len(range(self.rank, self.global_samples, self.world_size))
+        self._setup(shard, sample_rate, steps, seed, secure_mode)
+
+    @property
+    def stream(self) -> tuple:
+        return (self.rank,)
+
+    def batch(self, n: int) -> List[int]:
+        rng = self.rng(n)
+        size = int(rng.binomial(self.num_samples, self.sample_rate))
+        return [self.rank + self.world_size * j for j in uniform_subset(rng, self.num_samples, size)]
+
+
+def distributed_poisson_loader(data_loader: DataLoader, sample_rate: Optional[float] = None,
+                               steps: Optional[int] = None, seed: Optional[int] = None,
+                               secure_mode: bool = False, rank: Optional[int] = None,
+                               world_size: Optional[int] = None) -> PoissonDataLoader:
+    """This rank's Poisson loader over ``data_loader``'s (full) dataset. The default rate is
+    ``batch_size / N``: ``batch_size`` is the GLOBAL expected batch size, each rank
+    receiving about ``batch_size / world_size`` examples per step."""
+    dataset = data_loader.dataset
+    n = len(dataset)
+    if n == 0:
+        raise ValueError("the data loader's dataset is empty")
+    if sample_rate is None:
+        if not data_loader.batch_size:
+            raise ValueError("pass sample_rate: the data loader has no batch_size to derive it from")
+        sample_rate = data_loader.batch_size / n
+    sampler = DistributedPoissonBatchSampler(n, sample_rate, steps, seed, secure_mode, rank, world_size)
+    return PoissonDataLoader(dataset, sampler, collate_fn=EmptySafeCollate(dataset, data_loader.collate_fn),
+                             **_loader_kwargs(data_loader))
+
+
+class DistributedDPOptimizer(DPOptimizer):
+    """:class:`DPOptimizer` whose step all-reduces the clipped sums of all ranks, rank 0
+    adding the noise (see the module's conventions). ``expected_batch_size`` is the GLOBAL
+    q N. ``process_group`` defaults to the default group."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, *, process_group=None, **kwargs):
+        if not dist.is_initialized():
+            raise RuntimeError("DistributedDPOptimizer needs torch.distributed.init_process_group first")
+        self.process_group = process_group
+        self.rank, self.world_size = _rank_world(None, None, process_group)
+        super().__init__(optimizer, **kwargs)
+        src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+        with torch.no_grad():
+            for t in list(self.engine.module.parameters()) + list(self.engine.module.buffers()):
+                dist.broadcast(t.data, src=src, group=process_group)
+
+    def attach_accountant(self, accountant, sample_rate: float) -> None:
+        """Rank 0 records the steps; the other ranks keep no accountant."""
+        if self.rank == 0:
+            super().attach_accountant(accountant, sample_rate)
+
+    def epsilon(self, delta: float) -> float:
+        if self.rank != 0:
+            raise RuntimeError("the accountant lives on rank 0: ask rank 0 for epsilon")
+        return super().epsilon(delta)
+
+    def noisy_average(self, sums: List[torch.Tensor], divisor: float) -> List[torch.Tensor]:
+        """All-reduce of the local clipped sums, rank 0's carrying all the noise, over ``divisor``."""
+        local = super().noisy_average(sums, 1.0) if self.rank == 0 else sums
+        buckets: Dict[tuple, List[int]] = {}
+        for i, s in enumerate(local):
+            buckets.setdefault((s.dtype, s.device), []).append(i)
+        out: List[torch.Tensor] = [None] * len(local)
+        for idx in buckets.values():
+            flat = torch.cat([local[i].reshape(-1) for i in idx])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.process_group)
+            flat.div_(divisor)
+            for i, part in zip(idx, flat.split([local[i].numel() for i in idx])):
+                out[i] = part.view_as(local[i])
+        return out

@@ -1,0 +1,164 @@
+"""Data-parallel DP-SGD on gloo with 2 CPU processes (one spawn for all scenarios): a 2-rank
+run equals a 1-rank run on the same global batches, the noise is added exactly once, a rank
+without samples works. The sharded sampler is checked without processes."""
+import math
+import socket
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import fastdp
+from fastdp.distributed import DistributedDPOptimizer, DistributedPoissonBatchSampler, distributed_poisson_loader
+
+WORLD = 2
+N, RATE, STEPS, SEED = 9, 0.3, 6, 3
+C, SIGMA, NOISE_STEPS = 0.5, 2.0, 150
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(N, 5, generator=g), torch.randint(0, 3, (N,), generator=g)
+
+
+def make_model(seed):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+
+
+class History:
+    """Minimal accountant: records steps."""
+
+    def __init__(self):
+        self.history = []
+
+    def step(self, *, noise_multiplier, sample_rate, num_steps=1):
+        self.history.append((noise_multiplier, sample_rate, num_steps))
+
+
+def train(model, opt, loader):
+    for x, y in loader:
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+
+def worker(rank, port, out):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    try:
+        x, y = data()
+        # 1. noise off, different initial weights per rank (rank 0's are broadcast)
+        model = make_model(100 + rank)
+        opt = DistributedDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9), module=model,
+                                     noise_multiplier=0.0, max_grad_norm=C, expected_batch_size=RATE * N)
+        accountant = History()
+        opt.attach_accountant(accountant, RATE)
+        loader = distributed_poisson_loader(DataLoader(TensorDataset(x, y), batch_size=1), sample_rate=RATE,
+                                            steps=STEPS, seed=SEED)
+        train(model, opt, loader)
+        result = {"params": [p.detach().clone() for p in model.parameters()], "history": accountant.history,
+                  "accountant": opt.accountant is not None}
+        # 2. noise on, no data: the gradient is pure noise / (q N)
+        model = nn.Linear(10, 10)
+        opt = DistributedDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), module=model,
+                                     noise_multiplier=SIGMA, max_grad_norm=C, expected_batch_size=RATE * N, seed=rank)
+        noise = []
+        for _ in range(NOISE_STEPS):
+            opt.step()
+            noise.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]))
+        result["noise"] = torch.stack(noise)
+        # 3. a one-example dataset: rank 1's shard is empty at every step
+        model = make_model(7)
+        opt = DistributedDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), module=model,
+                                     noise_multiplier=0.0, max_grad_norm=C, expected_batch_size=1.0)
+        loader = distributed_poisson_loader(DataLoader(TensorDataset(x[:1], y[:1]), batch_size=1), steps=2)
+        train(model, opt, loader)
+        result["tiny"] = [p.detach().clone() for p in model.parameters()]
+        torch.save(result, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    mp.spawn(worker, args=(free_port(), str(out)), nprocs=WORLD, join=True)
+    return [torch.load(out / f"rank{r}.pt") for r in range(WORLD)]
+
+
+def test_two_ranks_equal_one_rank_on_the_same_global_batches(runs):
+    samplers = [DistributedPoissonBatchSampler(N, RATE, STEPS, SEED, rank=r, world_size=WORLD) for r in range(WORLD)]
+    batches = [[s.batch(n) for s in samplers] for n in range(STEPS)]
+    assert any(not b[1] for b in batches) or any(not b[0] for b in batches), "want a step where a rank has no samples"
+    x, y = data()
+    model = make_model(100)
+    opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9), module=model,
+                             noise_multiplier=0.0, max_grad_norm=C, expected_batch_size=RATE * N)
+    train(model, opt, [(x[b[0] + b[1]], y[b[0] + b[1]]) for b in batches])
+    for p, p0, p1 in zip(model.parameters(), runs[0]["params"], runs[1]["params"]):
+        assert torch.equal(p0, p1)  # replicas stay identical
+        torch.testing.assert_close(p0, p.detach(), rtol=0, atol=1e-6)
+    assert runs[0]["history"] == [(0.0, RATE, 1)] * STEPS and runs[0]["accountant"]
+    assert runs[1]["history"] == [] and not runs[1]["accountant"]
+
+
+def test_noise_is_added_exactly_once(runs):
+    noise0, noise1 = runs[0]["noise"], runs[1]["noise"]
+    assert torch.equal(noise0, noise1)
+    std = SIGMA * C / (RATE * N)
+    z = noise0.double().flatten() / std
+    n = z.numel()
+    assert abs(z.mean().item()) < 5 / math.sqrt(n)
+    assert abs(z.var().item() - 1) < 5 * math.sqrt(2 / n)  # W-fold or missing noise fails
+    assert not torch.equal(noise0[0], noise0[1])  # fresh every step
+
+
+def test_rank_without_samples(runs):
+    x, y = data()
+    model = make_model(7)
+    opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), module=model, noise_multiplier=0.0,
+                             max_grad_norm=C, expected_batch_size=1.0)
+    train(model, opt, [(x[:1], y[:1])] * 2)  # q = 1: the one example every step
+    for p, p0, p1 in zip(model.parameters(), runs[0]["tiny"], runs[1]["tiny"]):
+        assert torch.equal(p0, p1)
+        torch.testing.assert_close(p0, p.detach(), rtol=0, atol=1e-6)
+
+
+def test_shards_partition_one_poisson_batch():
+    n, q, steps = 101, 0.2, 2000
+    samplers = [DistributedPoissonBatchSampler(n, q, steps, seed=5, rank=r, world_size=3) for r in range(3)]
+    counts = np.zeros(n)
+    sizes = []
+    for step in range(steps):
+        parts = [s.batch(step) for s in samplers]
+        for r, part in enumerate(parts):
+            assert all(i % 3 == r for i in part)
+        union = sum(parts, [])
+        assert len(set(union)) == len(union)
+        counts[union] += 1
+        sizes.append(len(union))
+    assert abs(np.mean(sizes) - n * q) < 5 * math.sqrt(n * q * (1 - q) / steps)
+    assert abs(np.var(sizes, ddof=1) - n * q * (1 - q)) < 5 * n * q * (1 - q) * math.sqrt(2 / steps)
+    expected = steps * q
+    chi2 = ((counts - expected) ** 2 / (expected * (1 - q))).sum()
+    assert abs(chi2 - (n - 1)) < 6 * math.sqrt(2 * n)
+    assert samplers[0].batch(0) != DistributedPoissonBatchSampler(n, q, steps, seed=6, rank=0, world_size=3).batch(0)
+
+
+def test_bad_rank_and_missing_process_group():
+    with pytest.raises(ValueError, match="rank"):
+        DistributedPoissonBatchSampler(10, 0.5, rank=2, world_size=2)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        DistributedDPOptimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1), module=nn.Linear(2, 2),
+                               noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=2)
