@@ -47,14 +47,15 @@ __all__ = [
 
 
 def _default_orders() -> Tuple[float, ...]:
-    near_one = [1.0 + k / 20.0 for k in range(1, 20)]  # 1.05 .. 1.95
-    small = [2.0 + k / 4.0 for k in range(0, 33)]  # 2 .. 10 step 0.25
+    near_one = [round(1.0 + k / 20.0, 10) for k in range(1, 20)]  # 1.05 .. 1.95
+    small = [round(2.0 + k / 10.0, 10) for k in range(0, 90)]  # 2.0 .. 10.9
     medium = [float(k) for k in range(11, 65)]  # 11 .. 64
     large = [72.0, 80.0, 96.0, 112.0, 128.0, 160.0, 192.0, 224.0, 256.0, 320.0, 384.0, 512.0, 768.0, 1024.0]
     return tuple(sorted(set(near_one + small + medium + large)))
 
 
-#: Default Renyi orders: fine near 1 (large epsilon), integers up to 64, sparse up to 1024.
+#: Default Renyi orders: 1.05..1.95 by 0.05, 2..10.9 by 0.1, integers 11..64, then sparse
+#: up to 1024 (a superset of the default grids of Opacus and dp-accounting).
 DEFAULT_ORDERS: Tuple[float, ...] = _default_orders()
 
 
