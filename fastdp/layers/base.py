@@ -90,7 +90,9 @@ class LayerRule:
         raise NotImplementedError
 
     def sq_norms(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
+        """Default: instantiate (and keep, for :meth:`clipped_sums`) the per-sample gradients."""
         grads = self.per_sample_grads(rec, names)
+        rec.cache.update(grads)
         return {n: g.flatten(1).square().sum(1, dtype=torch.float64) for n, g in grads.items()}
 
     def per_sample_grads(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
@@ -98,8 +100,9 @@ class LayerRule:
 
     def clipped_sums(self, rec: Record, coefs: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """``sum_i coefs[name]_i * grad_i`` for each name in ``coefs`` (coefs: float64 ``(B,)``)."""
-        grads = self.per_sample_grads(rec, coefs.keys())
-        return {n: torch.einsum("b,b...->...", coefs[n].to(g.dtype), g) for n, g in grads.items()}
+        missing = [n for n in coefs if n not in rec.cache]
+        grads = {**rec.cache, **(self.per_sample_grads(rec, missing) if missing else {})}
+        return {n: torch.einsum("b,b...->...", coefs[n].to(grads[n].dtype), grads[n]) for n in coefs}
 
 
 def batch_chunks(batch: int, per_sample_elements: int) -> Iterable[slice]:
