@@ -1,0 +1,73 @@
+"""make_private: calibration, the accountant it attaches, sampling and argument errors."""
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import fastdp
+from fastdp import accounting
+
+
+def setup(n=200, batch=20):
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(n, 5), torch.randint(0, 3, (n,)))
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 3))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(data, batch_size=batch)
+
+
+def train(model, optimizer, loader):
+    for x, y in loader:
+        optimizer.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward() if len(x) else model(x).sum().backward()
+        optimizer.step()
+
+
+def test_target_epsilon_is_met_after_the_planned_steps():
+    model, opt, loader = setup()
+    model, opt, loader = fastdp.make_private(module=model, optimizer=opt, data_loader=loader,
+                                             target_epsilon=2.0, target_delta=1e-5, epochs=2,
+                                             max_grad_norm=1.0, seed=0)
+    assert opt.sample_rate == pytest.approx(0.1) and opt.expected_batch_size == 20
+    for _ in range(2):
+        train(model, opt, loader)
+    assert opt.steps == 20  # 2 epochs of round(1/q) Poisson steps, empty ones included
+    eps = opt.epsilon(1e-5)
+    assert eps <= 2.0 and eps == pytest.approx(2.0, rel=0.01)
+    recomputed = accounting.epsilon(noise_multiplier=opt.noise_multiplier, sample_rate=0.1,
+                                    steps=20, delta=1e-5, accountant="pld")
+    assert eps == pytest.approx(recomputed, rel=1e-9)
+
+
+def test_fixed_noise_multiplier_and_rdp_accountant():
+    model, opt, loader = setup()
+    model, opt, loader = fastdp.make_private(module=model, optimizer=opt, data_loader=loader,
+                                             noise_multiplier=1.3, max_grad_norm=0.5,
+                                             accountant="rdp", seed=1)
+    train(model, opt, loader)
+    assert opt.noise_multiplier == 1.3 and opt.noise_std == pytest.approx(0.65)
+    want = accounting.epsilon(noise_multiplier=1.3, sample_rate=0.1, steps=opt.steps, delta=1e-5,
+                              accountant="rdp")
+    assert opt.epsilon(1e-5) == pytest.approx(want, rel=1e-9)
+
+
+def test_poisson_loader_batches_vary_and_fixed_batches_warn():
+    model, opt, loader = setup(n=1000, batch=50)
+    _, _, poisson = fastdp.make_private(module=model, optimizer=opt, data_loader=loader,
+                                        noise_multiplier=1.0, max_grad_norm=1.0, seed=3)
+    sizes = [len(x) for x, _ in poisson]
+    assert len(sizes) == 20 and len(set(sizes)) > 1
+    model, opt, loader = setup()
+    with pytest.warns(UserWarning, match="not covered"):
+        fastdp.make_private(module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0,
+                            max_grad_norm=1.0, poisson_sampling=False)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({}, "exactly one of"),
+    ({"noise_multiplier": 1.0, "target_epsilon": 1.0}, "exactly one of"),
+    ({"target_epsilon": 1.0}, "target_delta and epochs"),
+])
+def test_make_private_argument_errors(kw, match):
+    model, opt, loader = setup()
+    with pytest.raises(ValueError, match=match):
+        fastdp.make_private(module=model, optimizer=opt, data_loader=loader, max_grad_norm=1.0, **kw)
