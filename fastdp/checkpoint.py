@@ -1,0 +1,97 @@
+"""Checkpoints of a DP-SGD run that resume bit-identically and never restart epsilon.
+
+One dictionary holds the model, the :class:`~fastdp.DPOptimizer` (wrapped optimizer's
+state, step count, noise-seed generator), the accountant's history and the Poisson
+loader's seed and position::
+
+    fastdp.checkpoint.save("run.pt", model=model, optimizer=opt, data_loader=loader)
+    ...  # later, with freshly built objects of the same shapes:
+    fastdp.checkpoint.load("run.pt", model=model, optimizer=opt, data_loader=loader)
+
+Training from the loaded state gives the same parameters, bit for bit, as not stopping
+(secure mode excepted: its noise and batches are drawn from OS entropy). Saving between
+``backward()`` and ``step()`` is refused: clipped sums not yet stepped are not stored.
+Resuming with another ``noise_multiplier`` is allowed (with a warning): the restored
+history keeps the old sigma's steps and the accountant appends the new ones.
+In data-parallel runs save on rank 0 and load on every rank: ranks other than 0 keep no
+accountant and skip its history.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Dict, Optional
+
+import torch
+from torch import nn
+
+FORMAT = "fastdp.checkpoint/1"
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint does not belong to this model (parameter names or shapes differ)."""
+
+
+def state_dict(*, model: nn.Module, optimizer, data_loader=None) -> Dict[str, Any]:
+    """Everything needed to resume: model, optimizer, accountant and loader state."""
+    if optimizer.engine.summed:
+        raise RuntimeError("clipped gradients are pending (backward() ran since the last step()): "
+                           "checkpoint after optimizer.step() or zero_grad()")
+    accountant = getattr(optimizer, "accountant", None)
+    return {
+        "format": FORMAT,
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "noise_multiplier": optimizer.noise_multiplier,
+        "accountant": None if accountant is None else accountant.state_dict(),
+        "data_loader": None if data_loader is None else data_loader.state_dict(),
+    }
+
+
+def _check_model(saved: Dict[str, torch.Tensor], model: nn.Module) -> None:
+    current = model.state_dict()
+    missing = [k for k in current if k not in saved]
+    unexpected = [k for k in saved if k not in current]
+    shapes = [f"{k}: checkpoint {tuple(saved[k].shape)}, model {tuple(v.shape)}"
+              for k, v in current.items() if k in saved and saved[k].shape != v.shape]
+    if missing or unexpected or shapes:
+        problems = [f"{label}: {', '.join(items[:8])}{' ...' if len(items) > 8 else ''}"
+                    for label, items in (("missing from the checkpoint", missing),
+                                         ("not in the model", unexpected),
+                                         ("shape mismatch", shapes)) if items]
+        raise CheckpointMismatchError("the checkpoint is from another model; " + "; ".join(problems))
+
+
+def load_state_dict(state: Dict[str, Any], *, model: nn.Module, optimizer, data_loader=None) -> None:
+    """Restore what :func:`state_dict` saved into freshly built ``model``/``optimizer``/``data_loader``."""
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise ValueError(f"not a fastdp checkpoint (expected format {FORMAT!r})")
+    _check_model(state["model"], model)
+    accountant = getattr(optimizer, "accountant", None)
+    saved_accountant = state["accountant"]
+    if saved_accountant is not None and accountant is None and getattr(optimizer, "rank", 0) == 0:
+        raise ValueError("the checkpoint holds an accountant history but the optimizer has no accountant: "
+                         "attach one (make_private or attach_accountant) so epsilon continues from it")
+    if saved_accountant is None and accountant is not None and state["optimizer"]["steps"] > 0:
+        raise ValueError("the checkpoint has steps but no accountant history: epsilon would restart from zero")
+    if data_loader is not None and state["data_loader"] is None:
+        raise ValueError("the checkpoint has no data loader state to restore")
+
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    if saved_accountant is not None and accountant is not None:
+        accountant.load_state_dict(saved_accountant)
+    if data_loader is not None:
+        data_loader.load_state_dict(state["data_loader"])
+    if state["noise_multiplier"] != optimizer.noise_multiplier:
+        warnings.warn(f"resuming with noise_multiplier={optimizer.noise_multiplier} (checkpoint: "
+                      f"{state['noise_multiplier']}); the accountant composes the steps of both",
+                      UserWarning, stacklevel=2)
+
+
+def save(path, *, model: nn.Module, optimizer, data_loader=None) -> None:
+    torch.save(state_dict(model=model, optimizer=optimizer, data_loader=data_loader), path)
+
+
+def load(path, *, model: nn.Module, optimizer, data_loader=None, map_location=None) -> None:
+    state = torch.load(path, map_location=map_location, weights_only=True)
+    load_state_dict(state, model=model, optimizer=optimizer, data_loader=data_loader)

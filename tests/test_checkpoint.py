@@ -1,0 +1,132 @@
+"""Checkpoint and resume: bit-identical continuation, epsilon history kept, bad checkpoints refused."""
+import io
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import fastdp
+from fastdp import checkpoint
+from fastdp.accounting import make_accountant
+from fastdp.data import BatchMemoryManager, poisson_loader
+
+N, BATCH, STEPS_PER_EPOCH = 40, 6, 4
+
+
+def dataset():
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(N, 5, generator=g), torch.randint(0, 3, (N,), generator=g))
+
+
+def build(sigma=1.0, width=8, seed=None, model_seed=0):
+    """Fresh objects; the model's initial weights and the seeds differ from any checkpoint's."""
+    torch.manual_seed(model_seed)
+    model = nn.Sequential(nn.Linear(5, width), nn.LayerNorm(width), nn.Tanh(), nn.Linear(width, 3))
+    opt = fastdp.DPOptimizer(torch.optim.Adam(model.parameters(), lr=0.05), module=model, noise_multiplier=sigma,
+                             max_grad_norm=0.5, expected_batch_size=BATCH, seed=seed)
+    opt.attach_accountant(make_accountant("pld"), BATCH / N)
+    loader = poisson_loader(DataLoader(dataset(), batch_size=BATCH), steps=STEPS_PER_EPOCH, seed=seed)
+    return model, opt, loader
+
+
+def train(model, opt, loader, steps, physical=None):
+    done = 0
+    while done < steps:
+        chunks = loader if physical is None else BatchMemoryManager(
+            data_loader=loader, max_physical_batch_size=physical, optimizer=opt)
+        for x, y in chunks:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            done += not opt._logical_batch_open
+            if done == steps:
+                break
+
+
+def roundtrip(state):
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+@pytest.mark.parametrize("physical", [None, 2])
+def test_resumed_run_is_bit_identical(physical):
+    k, m = 3, 6  # crosses epoch boundaries
+    model, opt, loader = build()  # unseeded: seeds come from OS entropy and are checkpointed
+    train(model, opt, loader, k, physical)
+    state = roundtrip(checkpoint.state_dict(model=model, optimizer=opt, data_loader=loader))
+    train(model, opt, loader, m, physical)
+
+    model2, opt2, loader2 = build(model_seed=1)
+    checkpoint.load_state_dict(state, model=model2, optimizer=opt2, data_loader=loader2)
+    assert opt2.accountant.history == [(1.0, BATCH / N, k)]
+    train(model2, opt2, loader2, m, physical)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+    assert opt2.steps == opt.steps == k + m
+    assert opt2.accountant.history == opt.accountant.history
+
+
+def test_save_and_load_files(tmp_path):
+    model, opt, loader = build(seed=3)
+    train(model, opt, loader, 2)
+    checkpoint.save(tmp_path / "run.pt", model=model, optimizer=opt, data_loader=loader)
+    model2, opt2, loader2 = build(seed=4, model_seed=2)
+    checkpoint.load(tmp_path / "run.pt", model=model2, optimizer=opt2, data_loader=loader2)
+    for p, q in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(p, q)
+    assert loader2.state_dict() == loader.state_dict()
+
+
+def test_different_sigma_is_recorded():
+    model, opt, loader = build(sigma=1.0)
+    train(model, opt, loader, 3)
+    state = checkpoint.state_dict(model=model, optimizer=opt, data_loader=loader)
+    eps_before = opt.epsilon(1e-5)
+    model2, opt2, loader2 = build(sigma=2.0)
+    with pytest.warns(UserWarning, match="noise_multiplier"):
+        checkpoint.load_state_dict(state, model=model2, optimizer=opt2, data_loader=loader2)
+    assert opt2.epsilon(1e-5) == eps_before  # not restarted from zero
+    train(model2, opt2, loader2, 2)
+    assert opt2.accountant.history == [(1.0, BATCH / N, 3), (2.0, BATCH / N, 2)]
+    assert opt2.epsilon(1e-5) > eps_before
+
+
+def test_checkpoint_from_another_model_is_refused():
+    model, opt, loader = build()
+    state = checkpoint.state_dict(model=model, optimizer=opt, data_loader=loader)
+    model2, opt2, loader2 = build(width=9)
+    with pytest.raises(checkpoint.CheckpointMismatchError, match=r"shape mismatch: 0\.weight"):
+        checkpoint.load_state_dict(state, model=model2, optimizer=opt2)
+    torch.manual_seed(0)
+    other = nn.Sequential(nn.Linear(5, 3))
+    opt3 = fastdp.DPOptimizer(torch.optim.SGD(other.parameters(), lr=0.1), module=other, noise_multiplier=1.0,
+                              max_grad_norm=1.0, expected_batch_size=BATCH)
+    opt3.attach_accountant(make_accountant("pld"), BATCH / N)
+    with pytest.raises(checkpoint.CheckpointMismatchError, match="not in the model: 1.weight"):
+        checkpoint.load_state_dict(state, model=other, optimizer=opt3)
+    before = [p.detach().clone() for p in model2.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(before, model2.parameters()))  # nothing was loaded
+
+
+def test_refusals():
+    model, opt, loader = build()
+    with pytest.raises(ValueError, match="not a fastdp checkpoint"):
+        checkpoint.load_state_dict({"model": {}}, model=model, optimizer=opt)
+    x, y = next(iter(loader))
+    nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="pending"):
+        checkpoint.state_dict(model=model, optimizer=opt)
+    opt.step()
+    state = checkpoint.state_dict(model=model, optimizer=opt)
+    with pytest.raises(ValueError, match="no data loader state"):
+        checkpoint.load_state_dict(state, model=model, optimizer=opt, data_loader=loader)
+    bare_model, bare_opt, _ = build()
+    bare_opt.accountant = None
+    with pytest.raises(ValueError, match="no accountant"):
+        checkpoint.load_state_dict(state, model=bare_model, optimizer=bare_opt)
+    state["accountant"] = None
+    with pytest.raises(ValueError, match="restart from zero"):
+        checkpoint.load_state_dict(state, model=bare_model, optimizer=build()[1])
