@@ -26,6 +26,7 @@ def make_private(
     poisson_sampling: bool = True,
     accountant: str = "pld",
     seed: Optional[int] = None,
+    secure_mode: bool = False,
     **optimizer_kwargs,
 ) -> Tuple[nn.Module, DPOptimizer, DataLoader]:
     """Return ``(module, optimizer, data_loader)`` ready for DP-SGD.
@@ -39,6 +40,9 @@ def make_private(
     ``poisson_sampling=False`` keeps the loader's shuffled fixed-size batches, which the
     Poisson-subsampled Gaussian analysis does NOT cover: the epsilon reported is then
     not a proven guarantee.
+
+    ``secure_mode=True`` draws batches and noise from OS entropy every step (see
+    :mod:`fastdp.secure`); it excludes ``seed``.
     """
     from fastdp import accounting
 
@@ -59,7 +63,7 @@ def make_private(
             steps=steps, accountant=accountant,
         )
     if poisson_sampling:
-        data_loader = poisson_loader(data_loader, sample_rate, steps_per_epoch, seed)
+        data_loader = poisson_loader(data_loader, sample_rate, steps_per_epoch, seed, secure_mode)
     else:
         warnings.warn(
             "poisson_sampling=False: shuffled fixed-size batches are not covered by the "
@@ -68,7 +72,7 @@ def make_private(
         )
     dp_optimizer = DPOptimizer(
         optimizer, module=module, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
-        expected_batch_size=batch_size, seed=seed, **optimizer_kwargs,
+        expected_batch_size=batch_size, seed=seed, secure_mode=secure_mode, **optimizer_kwargs,
     )
     dp_optimizer.attach_accountant(accounting.make_accountant(accountant), sample_rate)
     return module, dp_optimizer, data_loader
