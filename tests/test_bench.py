@@ -1,0 +1,37 @@
+"""Smoke test of ``fastdp bench --quick``: the JSON has the expected structure (no timings asserted)."""
+import json
+import math
+
+import pytest
+
+from fastdp.cli import main
+
+CONFIGS = ("mlp", "wide-linear")
+METHODS = ("nonprivate", "fastdp-reference", "loop")
+
+
+def test_bench_quick_json(tmp_path, capsys):
+    out, md = tmp_path / "bench.json", tmp_path / "bench.md"
+    assert main(["bench", "--quick", "--configs", ",".join(CONFIGS), "--methods", "fastdp-reference,loop",
+                 "--json", str(out), "--markdown", str(md)]) == 0
+    data = json.loads(out.read_text())
+    assert data["meta"]["quick"] is True and data["meta"]["memory_method"]
+    assert data["meta"]["command"].startswith("fastdp bench --quick")
+    assert set(data["configs"]) == set(CONFIGS)
+    rows = {(r["config"], r["method"]): r for r in data["results"]}
+    assert set(rows) == {(c, m) for c in CONFIGS for m in METHODS}
+    for key, r in rows.items():
+        assert r["status"] == "ok", r
+        assert r["steps"] >= 1 and r["step_ms"] > 0
+        for ratio in ("time_ratio", "mem_ratio"):
+            assert math.isfinite(r[ratio]) and r[ratio] > 0, (key, ratio, r[ratio])
+        if key[1] == "nonprivate":
+            assert r["time_ratio"] == 1.0 and r["mem_ratio"] == 1.0
+    assert rows[("wide-linear", "fastdp-reference")]["ops"]["linear_sq_norms_ghost"] == "reference"
+    assert "| wide-linear | loop |" in md.read_text()
+    assert "| mlp | fastdp-reference |" in capsys.readouterr().out
+
+
+def test_bench_rejects_unknown_method():
+    with pytest.raises(SystemExit, match="unknown method"):
+        main(["bench", "--methods", "nope"])
