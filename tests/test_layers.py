@@ -6,7 +6,6 @@ from torch import nn
 
 from reference import check_exact
 
-torch.set_default_dtype(torch.float64)
 SETTINGS = settings(max_examples=25, deadline=None)
 
 
