@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
 from .base import available_accountants
@@ -14,6 +15,15 @@ def _add_schedule(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sample-rate", "-q", type=float, required=True, help="Poisson sampling rate q in [0, 1]")
     parser.add_argument("--steps", "-T", type=int, required=True, help="number of training steps")
     parser.add_argument("--delta", type=float, default=1e-5, help="target delta, 0 < delta < 1 (default 1e-5)")
+
+
+def _round_up(value: float, digits: int = 6) -> float:
+    """Round a positive number up to ``digits`` significant digits."""
+    if value <= 0 or not math.isfinite(value):
+        return value
+    scale = 10.0 ** (digits - 1 - math.floor(math.log10(value)))
+    rounded = math.ceil(value * scale) / scale
+    return float(f"{rounded:.{digits}g}") if float(f"{rounded:.{digits}g}") >= value else rounded
 
 
 def _run_epsilon(args: argparse.Namespace) -> int:
@@ -34,11 +44,12 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         sigma = calibrate_noise(
             args.target_epsilon, args.delta, args.sample_rate, args.steps, accountant=args.accountant
         )
+        sigma = _round_up(sigma)  # what is printed must still meet the target
         eps = epsilon(sigma, args.sample_rate, args.steps, args.delta, accountant=args.accountant)
     except ValueError as exc:
         print(f"fastdp calibrate: error: {exc}", file=sys.stderr)
         return 2
-    print(f"noise multiplier: {sigma:.6g}")
+    print(f"noise multiplier: {sigma!r}")
     print(f"epsilon ({args.accountant}): {eps:.6g} <= {args.target_epsilon:g}  [delta={args.delta:g}]")
     return 0
 

@@ -72,12 +72,13 @@ def _log_a_integer(q: float, sigma: float, alpha: int) -> float:
     return float(special.logsumexp(terms))
 
 
-def _log_a_fractional(q: float, sigma: float, alpha: float, rel_tol_log: float = -40.0) -> float:
+def _log_a_fractional(q: float, sigma: float, alpha: float, rel_tol_log: float = -32.0) -> float:
     """log A_alpha for non-integer alpha > 1 by the two split series (0 < q < 1).
 
-    Terms are added in chunks until every term in a chunk is below
-    ``exp(rel_tol_log)`` times the running sum and the index has passed alpha (after
-    which the terms alternate in sign and shrink, so the remainder is smaller still).
+    Terms are added in chunks until every term in a chunk is below ``exp(rel_tol_log)``
+    times the running value of ``A - 1`` (the part that carries the privacy loss; A >= 1)
+    and the index has passed alpha (after which the terms alternate in sign and shrink,
+    so the remainder is smaller than the last term).
     """
     log_q, log_1mq = math.log(q), math.log1p(-q)
     z0 = sigma**2 * (log_1mq - log_q) + 0.5
@@ -104,7 +105,8 @@ def _log_a_fractional(q: float, sigma: float, alpha: float, rel_tol_log: float =
             log_neg = np.logaddexp(log_neg, special.logsumexp(terms[signs]))
         start += chunk
         total = log_pos if log_neg == -np.inf else log_pos + math.log1p(-math.exp(min(log_neg - log_pos, 0.0)))
-        if start > alpha + 1 and terms.max() < total + rel_tol_log:
+        scale = math.log(max(math.expm1(total), 1e-300))  # log(A - 1)
+        if start > alpha + 1 and terms.max() < scale + rel_tol_log:
             return float(total)
         if start > 50_000_000:
             warnings.warn(f"RDP series for alpha={alpha} did not converge; result may be inaccurate")

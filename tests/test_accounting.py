@@ -1,0 +1,396 @@
+"""fastdp.accounting: API, edge cases, closed forms, properties, calibration and CLI.
+
+Comparisons against the external oracles (dp-accounting, Opacus) live in
+tests/test_accounting_oracles.py.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import warnings
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from scipy import integrate, optimize, special
+
+from fastdp import accounting
+from fastdp.accounting import (
+    DEFAULT_ORDERS,
+    OrderGridWarning,
+    PLDAccountant,
+    RDPAccountant,
+    calibrate_noise,
+    make_accountant,
+)
+from fastdp.accounting.pld import gaussian_epsilon, subsampled_gaussian_pld
+from fastdp.accounting.rdp import log_a, rdp_subsampled_gaussian, rdp_to_epsilon
+
+ACCOUNTANTS = ["rdp", "pld"]
+PROPS = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# --------------------------------------------------------------------------- API
+@pytest.mark.parametrize("name, cls", [("rdp", RDPAccountant), ("pld", PLDAccountant), ("PLD", PLDAccountant)])
+def test_make_accountant(name, cls):
+    assert type(make_accountant(name)) is cls
+    assert type(make_accountant()) is PLDAccountant  # the tight one is the default
+
+
+def test_make_accountant_unknown_name():
+    with pytest.raises(ValueError, match="unknown accountant 'gdp'.*pld.*rdp"):
+        make_accountant("gdp")
+
+
+@pytest.mark.parametrize("name", ACCOUNTANTS)
+def test_history_merges_consecutive_identical_steps(name):
+    acc = make_accountant(name)
+    assert len(acc) == 0 and acc.history == [] and acc.epsilon(1e-5) == 0.0
+    acc.step(noise_multiplier=1.0, sample_rate=0.01)
+    acc.step(noise_multiplier=1.0, sample_rate=0.01, num_steps=9)
+    acc.step(noise_multiplier=2.0, sample_rate=0.01, num_steps=5)
+    acc.step(noise_multiplier=2.0, sample_rate=0.01, num_steps=0)  # no-op
+    acc.step(noise_multiplier=1.0, sample_rate=0.01, num_steps=3)
+    assert acc.history == [(1.0, 0.01, 10), (2.0, 0.01, 5), (1.0, 0.01, 3)]
+    assert len(acc) == acc.steps == 18
+    history = acc.history
+    history.append((9.0, 0.5, 1))  # a copy: the accountant is unchanged
+    assert len(acc.history) == 3
+
+
+@pytest.mark.parametrize("name", ACCOUNTANTS)
+def test_heterogeneous_history_equals_regrouped_history(name):
+    """Composition commutes: (A, B, A) and (A+A, B) give the same epsilon."""
+    one, two = make_accountant(name), make_accountant(name)
+    for sigma, q, steps in [(1.2, 0.01, 300), (0.9, 0.02, 100), (1.2, 0.01, 200)]:
+        one.step(noise_multiplier=sigma, sample_rate=q, num_steps=steps)
+    two.step(noise_multiplier=1.2, sample_rate=0.01, num_steps=500)
+    two.step(noise_multiplier=0.9, sample_rate=0.02, num_steps=100)
+    assert one.epsilon(1e-6) == pytest.approx(two.epsilon(1e-6), rel=1e-9)
+
+
+@pytest.mark.parametrize("name", ACCOUNTANTS)
+def test_state_dict_round_trip(name):
+    acc = make_accountant(name)
+    acc.step(noise_multiplier=1.1, sample_rate=0.02, num_steps=40)
+    acc.step(noise_multiplier=0.8, sample_rate=0.05, num_steps=7)
+    state = acc.state_dict()
+    assert state["accountant"] == name and state["history"] == [[1.1, 0.02, 40], [0.8, 0.05, 7]]
+    fresh = make_accountant(name)
+    fresh.load_state_dict(state)
+    assert fresh.history == acc.history
+    assert fresh.epsilon(1e-5) == acc.epsilon(1e-5)
+    other = make_accountant("rdp" if name == "pld" else "pld")
+    with pytest.raises(ValueError, match="state belongs to"):
+        other.load_state_dict(state)
+
+
+def test_state_dict_keeps_settings():
+    acc = RDPAccountant(orders=[2, 4, 8, 16])
+    fresh = RDPAccountant()
+    fresh.load_state_dict(acc.state_dict())
+    assert fresh.orders == (2.0, 4.0, 8.0, 16.0)
+    pld = PLDAccountant(value_interval=5e-5)
+    fresh_pld = PLDAccountant()
+    fresh_pld.load_state_dict(pld.state_dict())
+    assert fresh_pld.value_interval == 5e-5
+    with pytest.raises(ValueError, match="unexpected accountant settings"):
+        fresh_pld.load_state_dict({"accountant": "pld", "history": [], "bogus": 1})
+
+
+# --------------------------------------------------------------------------- edge cases
+@pytest.mark.parametrize("name", ACCOUNTANTS)
+def test_no_noise_is_infinite_epsilon(name):
+    acc = make_accountant(name).step(noise_multiplier=0.0, sample_rate=0.01, num_steps=1)
+    assert acc.epsilon(1e-5) == math.inf
+    assert accounting.epsilon(0.0, 0.5, 10, 1e-5, accountant=name) == math.inf
+
+
+@pytest.mark.parametrize("name", ACCOUNTANTS)
+def test_nothing_released_is_zero_epsilon(name):
+    assert accounting.epsilon(1.0, 0.0, 1000, 1e-5, accountant=name) == 0.0  # q = 0
+    assert accounting.epsilon(1.0, 0.1, 0, 1e-5, accountant=name) == 0.0  # no steps
+    assert accounting.epsilon(0.0, 0.0, 10, 1e-5, accountant=name) == 0.0  # no noise, but nobody sampled
+    assert accounting.epsilon(math.inf, 0.3, 10, 1e-5, accountant=name) == 0.0  # infinite noise
+    # trivial steps do not change a non-trivial history
+    acc = make_accountant(name).step(noise_multiplier=1.0, sample_rate=0.05, num_steps=20)
+    before = acc.epsilon(1e-5)
+    acc.step(noise_multiplier=3.0, sample_rate=0.0, num_steps=50)
+    assert acc.epsilon(1e-5) == pytest.approx(before, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ACCOUNTANTS)
+@pytest.mark.parametrize("delta", [0.0, 1.0, -1e-5, 1.5, float("nan"), "x"])
+def test_bad_delta_rejected(name, delta):
+    acc = make_accountant(name).step(noise_multiplier=1.0, sample_rate=0.01)
+    with pytest.raises(ValueError, match="delta must"):
+        acc.epsilon(delta)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"noise_multiplier": -0.1, "sample_rate": 0.1}, "noise_multiplier must be >= 0"),
+        ({"noise_multiplier": float("nan"), "sample_rate": 0.1}, "noise_multiplier"),
+        ({"noise_multiplier": 1.0, "sample_rate": -0.01}, r"sample_rate must lie in \[0, 1\]"),
+        ({"noise_multiplier": 1.0, "sample_rate": 1.01}, r"sample_rate must lie in \[0, 1\]"),
+        ({"noise_multiplier": 1.0, "sample_rate": 0.1, "num_steps": -1}, "steps must be a non-negative integer"),
+        ({"noise_multiplier": 1.0, "sample_rate": 0.1, "num_steps": 2.5}, "steps must be a non-negative integer"),
+        ({"noise_multiplier": "a", "sample_rate": 0.1}, "noise_multiplier must be a number"),
+    ],
+)
+@pytest.mark.parametrize("name", ACCOUNTANTS)
+def test_bad_step_rejected(name, kwargs, message):
+    acc = make_accountant(name)
+    with pytest.raises(ValueError, match=message):
+        acc.step(**kwargs)
+    assert acc.history == []
+
+
+def test_bad_orders_rejected():
+    with pytest.raises(ValueError, match="> 1"):
+        RDPAccountant(orders=[1.0, 2.0])
+    with pytest.raises(ValueError, match="at least one"):
+        RDPAccountant(orders=[])
+
+
+# --------------------------------------------------------------------------- closed forms
+def _gaussian_delta_reference(mu, eps):
+    # Balle & Wang 2018, Thm. 8: delta(eps) = Phi(mu/2 - eps/mu) - e^eps Phi(-mu/2 - eps/mu)
+    return special.ndtr(mu / 2 - eps / mu) - math.exp(eps) * special.ndtr(-mu / 2 - eps / mu)
+
+
+@pytest.mark.parametrize("sigma, steps, delta", [(1.0, 1, 1e-5), (2.0, 10, 1e-6), (5.0, 100, 1e-8), (0.7, 3, 1e-3)])
+def test_full_batch_uses_exact_gaussian_formula(sigma, steps, delta):
+    eps = accounting.epsilon(sigma, 1.0, steps, delta, accountant="pld")
+    mu = math.sqrt(steps) / sigma
+    root = optimize.brentq(lambda e: _gaussian_delta_reference(mu, e) - delta, 0.0, 200.0, xtol=1e-14)
+    assert eps == pytest.approx(root, rel=1e-9)
+    assert eps >= root * (1 - 1e-12)  # the bisection returns the feasible end
+    # the RDP accountant is looser but in the same ball park
+    assert eps <= accounting.epsilon(sigma, 1.0, steps, delta, accountant="rdp")
+
+
+@pytest.mark.parametrize("sigma, steps, delta", [(1.0, 10, 1e-5), (3.0, 200, 1e-6), (0.7, 1, 1e-5)])
+def test_numeric_pld_matches_exact_gaussian(sigma, steps, delta):
+    """Force the FFT path with q = 1 and compare with the closed form (the true value)."""
+    numeric = max(PLDAccountant().direction_epsilons({(sigma, 1.0): steps}, delta).values())
+    exact = gaussian_epsilon(math.sqrt(steps) / sigma, delta)
+    assert exact <= numeric <= exact * (1 + 1e-5)
+
+
+def test_rdp_full_batch_closed_form():
+    orders = [1.5, 2.0, 7.25, 32.0]
+    assert np.allclose(rdp_subsampled_gaussian(1.0, 2.0, orders), np.array(orders) / (2 * 2.0**2), rtol=1e-14)
+
+
+@pytest.mark.parametrize("q, sigma", [(0.01, 1.0), (0.2, 0.8), (0.003, 3.0), (0.6, 2.0)])
+@pytest.mark.parametrize("alpha", [1.5, 2.5, 3.75, 12.3])
+def test_fractional_log_a_matches_numerical_integral(q, sigma, alpha):
+    """A_alpha = E_{z~N(0,s^2)}[(1 - q + q exp((2z-1)/(2s^2)))^alpha] by quadrature."""
+
+    def integrand(z):
+        log_ratio = np.logaddexp(math.log1p(-q), math.log(q) + (2 * z - 1) / (2 * sigma**2))
+        return math.exp(alpha * log_ratio - z * z / (2 * sigma**2)) / (sigma * math.sqrt(2 * math.pi))
+
+    value, _ = integrate.quad(integrand, -np.inf, np.inf, epsabs=0, epsrel=1e-12, limit=500)
+    assert log_a(q, sigma, alpha) == pytest.approx(math.log(value), rel=1e-8, abs=1e-13)
+
+
+def test_integer_log_a_matches_fractional_series_nearby():
+    """The two formulas agree where they meet: log A is smooth in alpha."""
+    for q, sigma in [(0.01, 1.0), (0.1, 2.0)]:
+        for alpha in (3, 10):
+            near = [log_a(q, sigma, alpha - 1e-7), log_a(q, sigma, alpha + 1e-7)]
+            assert log_a(q, sigma, alpha) == pytest.approx(np.mean(near), rel=1e-6)
+
+
+def test_rdp_conversion_formula():
+    # Balle et al. 2020: eps = r + log((a-1)/a) - (log delta + log a)/(a-1), minimised
+    orders, rdp, delta = [2.0, 4.0, 8.0], [0.5, 1.0, 3.0], 1e-5
+    expected = [r + math.log((a - 1) / a) - (math.log(delta) + math.log(a)) / (a - 1) for a, r in zip(orders, rdp)]
+    eps, order = rdp_to_epsilon(orders, rdp, delta, warn=False)
+    assert eps == pytest.approx(min(expected)) and order == orders[int(np.argmin(expected))]
+    # tiny divergence: total variation <= sqrt(1 - exp(-KL)) <= delta gives epsilon 0
+    assert rdp_to_epsilon([2.0], [1e-14], 1e-5, warn=False)[0] == 0.0
+
+
+def test_rdp_warns_when_optimum_at_grid_edge():
+    acc = RDPAccountant(orders=[2.0, 3.0, 4.0]).step(noise_multiplier=20.0, sample_rate=0.01, num_steps=10)
+    with pytest.warns(OrderGridWarning, match="largest"):
+        acc.epsilon(1e-5)
+    acc = RDPAccountant(orders=[8.0, 16.0, 32.0]).step(noise_multiplier=0.5, sample_rate=0.5, num_steps=100)
+    with pytest.warns(OrderGridWarning, match="smallest"):
+        acc.epsilon(1e-5)
+    acc = RDPAccountant().step(noise_multiplier=1.1, sample_rate=256 / 60000, num_steps=14062)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        acc.epsilon(1e-5)  # the default grid contains the optimum
+
+
+def test_default_grid_covers_fractional_orders_and_large_orders():
+    assert min(DEFAULT_ORDERS) < 1.1 and max(DEFAULT_ORDERS) >= 256
+    assert any(not float(a).is_integer() for a in DEFAULT_ORDERS)
+
+
+def test_single_step_pld_is_a_probability_distribution():
+    for direction in ("remove", "add"):
+        pld = subsampled_gaussian_pld(1.0, 0.05, direction, 1e-3, 1e-15)
+        assert np.all(pld.probs >= 0)
+        assert pld.probs.sum() + pld.inf_mass == pytest.approx(1.0, abs=1e-12)
+        # connect-the-dots keeps E_Q[1] = E_P[e^-L] <= 1 and matches the mean of e^-L
+        assert float((pld.probs * np.exp(-pld.losses)).sum()) <= 1.0 + 1e-12
+
+
+def test_pld_below_rdp_on_typical_run():
+    acc_pld = PLDAccountant().step(noise_multiplier=1.1, sample_rate=256 / 60000, num_steps=14062)
+    acc_rdp = RDPAccountant().step(noise_multiplier=1.1, sample_rate=256 / 60000, num_steps=14062)
+    assert acc_pld.epsilon(1e-5) < acc_rdp.epsilon(1e-5)
+
+
+def test_pld_finer_grid_agrees():
+    """Connect-the-dots error is second order in the grid spacing."""
+    coarse = PLDAccountant(value_interval=1e-4).step(noise_multiplier=1.0, sample_rate=0.01, num_steps=2000)
+    fine = PLDAccountant(value_interval=2.5e-5).step(noise_multiplier=1.0, sample_rate=0.01, num_steps=2000)
+    e_coarse, e_fine = coarse.epsilon(1e-6), fine.epsilon(1e-6)
+    assert e_fine <= e_coarse * (1 + 1e-9)
+    assert e_coarse == pytest.approx(e_fine, rel=1e-3)
+
+
+def test_pld_grows_grid_when_window_too_large():
+    """A tiny max_fft_size forces a coarser grid; the answer stays an upper bound."""
+    tight = accounting.epsilon(0.9, 0.02, 500, 1e-5, accountant="pld")
+    coarse = PLDAccountant(max_fft_size=4096).step(noise_multiplier=0.9, sample_rate=0.02, num_steps=500)
+    assert tight <= coarse.epsilon(1e-5) <= tight * 1.05
+
+
+# --------------------------------------------------------------------------- properties
+sigmas = st.floats(min_value=0.5, max_value=8.0)
+rates = st.floats(min_value=1e-3, max_value=0.2)
+step_counts = st.integers(min_value=1, max_value=2000)
+deltas = st.sampled_from([1e-3, 1e-5, 1e-7, 1e-9])
+REL = 1e-6  # float noise allowed in the discretised accountant's comparisons
+
+
+@PROPS
+@given(s1=sigmas, s2=sigmas, q=rates, steps=step_counts, delta=deltas, name=st.sampled_from(ACCOUNTANTS))
+def test_epsilon_decreases_with_noise(s1, s2, q, steps, delta, name):
+    lo, hi = sorted((s1, s2))
+    e_lo = accounting.epsilon(lo, q, steps, delta, accountant=name)
+    e_hi = accounting.epsilon(hi, q, steps, delta, accountant=name)
+    assert e_hi <= e_lo * (1 + REL) + 1e-12
+
+
+@PROPS
+@given(sigma=sigmas, q=rates, t1=step_counts, t2=step_counts, delta=deltas, name=st.sampled_from(ACCOUNTANTS))
+def test_epsilon_increases_with_steps(sigma, q, t1, t2, delta, name):
+    lo, hi = sorted((t1, t2))
+    e_lo = accounting.epsilon(sigma, q, lo, delta, accountant=name)
+    e_hi = accounting.epsilon(sigma, q, hi, delta, accountant=name)
+    assert e_lo <= e_hi * (1 + REL) + 1e-12
+
+
+@PROPS
+@given(sigma=sigmas, q1=rates, q2=rates, steps=step_counts, delta=deltas, name=st.sampled_from(ACCOUNTANTS))
+def test_epsilon_increases_with_sample_rate(sigma, q1, q2, steps, delta, name):
+    lo, hi = sorted((q1, q2))
+    e_lo = accounting.epsilon(sigma, lo, steps, delta, accountant=name)
+    e_hi = accounting.epsilon(sigma, hi, steps, delta, accountant=name)
+    assert e_lo <= e_hi * (1 + REL) + 1e-12
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    target=st.floats(min_value=0.3, max_value=10.0),
+    q=st.floats(min_value=1e-3, max_value=0.2),
+    steps=st.integers(min_value=1, max_value=2000),
+    delta=st.sampled_from([1e-5, 1e-7]),
+    name=st.sampled_from(ACCOUNTANTS),
+)
+def test_calibration_never_overshoots_and_is_within_one_percent(target, q, steps, delta, name):
+    sigma = calibrate_noise(target, delta, q, steps, accountant=name)
+    eps = accounting.epsilon(sigma, q, steps, delta, accountant=name)
+    assert eps <= target
+    assert eps >= 0.99 * target
+
+
+# --------------------------------------------------------------------------- calibration
+@pytest.mark.parametrize("name", ACCOUNTANTS)
+def test_calibrate_typical(name):
+    q, steps, delta = 256 / 60000, 14062, 1e-5
+    sigma = calibrate_noise(3.0, delta, q, steps, accountant=name)
+    eps = accounting.epsilon(sigma, q, steps, delta, accountant=name)
+    assert 0.99 * 3.0 <= eps <= 3.0
+    assert accounting.epsilon(sigma * 0.99, q, steps, delta, accountant=name) > 3.0  # (nearly) the smallest
+
+
+def test_calibrate_pld_needs_less_noise_than_rdp():
+    args = (3.0, 1e-5, 256 / 60000, 14062)
+    assert calibrate_noise(*args, accountant="pld") < calibrate_noise(*args, accountant="rdp")
+
+
+def test_calibrate_trivial_and_errors():
+    assert calibrate_noise(1.0, 1e-5, 0.0, 100) == 0.0
+    assert calibrate_noise(1.0, 1e-5, 0.1, 0) == 0.0
+    with pytest.raises(ValueError, match="unreachable"):
+        calibrate_noise(1e-4, 1e-5, 0.5, 10, sigma_max=10.0)
+    for bad in (0.0, -1.0, math.inf, float("nan")):
+        with pytest.raises(ValueError, match="target_epsilon must be a positive finite number"):
+            calibrate_noise(bad, 1e-5, 0.01, 100)
+    with pytest.raises(ValueError, match="delta must"):
+        calibrate_noise(1.0, 0.0, 0.01, 100)
+    with pytest.raises(ValueError, match="sample_rate"):
+        calibrate_noise(1.0, 1e-5, 2.0, 100)
+    with pytest.raises(ValueError, match="unknown accountant"):
+        calibrate_noise(1.0, 1e-5, 0.01, 100, accountant="moments")
+
+
+def test_calibrate_large_target_small_noise():
+    sigma = calibrate_noise(50.0, 1e-5, 1.0, 1, accountant="pld")
+    eps = accounting.epsilon(sigma, 1.0, 1, 1e-5, accountant="pld")
+    assert 0.99 * 50.0 <= eps <= 50.0 and sigma < 0.2
+
+
+# --------------------------------------------------------------------------- CLI
+def _cli(argv):
+    from fastdp.accounting.cli import register
+
+    parser = argparse.ArgumentParser(prog="fastdp")
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def test_cli_epsilon_prints_both(capsys):
+    argv = ["epsilon", "--noise-multiplier", "1.1", "--sample-rate", "0.0042667", "--steps", "14062", "--delta", "1e-5"]
+    assert _cli(argv) == 0
+    out = capsys.readouterr().out
+    values = {line.split()[1]: float(line.split()[2]) for line in out.strip().splitlines()}
+    assert set(values) == {"(pld):", "(rdp):"}
+    assert values["(pld):"] == pytest.approx(accounting.epsilon(1.1, 0.0042667, 14062, 1e-5, "pld"), rel=1e-5)
+    assert values["(rdp):"] == pytest.approx(accounting.epsilon(1.1, 0.0042667, 14062, 1e-5, "rdp"), rel=1e-5)
+
+
+def test_cli_calibrate(capsys):
+    argv = ["calibrate", "--target-epsilon", "2", "--delta", "1e-5", "--sample-rate", "0.01", "--steps", "500"]
+    assert _cli(argv) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    sigma = float(first.split(":")[1])
+    exact = calibrate_noise(2.0, 1e-5, 0.01, 500)
+    assert exact <= sigma <= exact * (1 + 1e-5)  # printed value rounded up: never overshoots
+    assert accounting.epsilon(sigma, 0.01, 500, 1e-5) <= 2.0
+
+
+def test_cli_reports_bad_input(capsys):
+    argv = ["epsilon", "--noise-multiplier", "1", "--sample-rate", "1.5", "--steps", "10"]
+    assert _cli(argv) == 2
+    assert "sample_rate must lie in [0, 1]" in capsys.readouterr().err
+
+
+def test_cli_is_wired_into_fastdp_main(capsys):
+    from fastdp.cli import main
+
+    assert main(["epsilon", "--sigma", "2", "-q", "1", "-T", "4", "--accountant", "pld"]) == 0
+    out = capsys.readouterr().out
+    assert float(out.split()[2]) == pytest.approx(gaussian_epsilon(1.0, 1e-5), rel=1e-5)
