@@ -31,16 +31,15 @@ def build(sigma=1.0, width=8, seed=None, model_seed=0):
 
 
 def train(model, opt, loader, steps, physical=None):
-    done = 0
-    while done < steps:
+    target = opt.steps + steps
+    while opt.steps < target:
         chunks = loader if physical is None else BatchMemoryManager(
             data_loader=loader, max_physical_batch_size=physical, optimizer=opt)
         for x, y in chunks:
             opt.zero_grad()
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
-            done += not opt._logical_batch_open
-            if done == steps:
+            if opt.steps == target:
                 break
 
 

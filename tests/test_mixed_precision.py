@@ -1,0 +1,120 @@
+"""bf16 autocast on CPU: training runs and tracks float32 training, clipped sums accumulate in
+float32, and every clipped per-sample gradient has norm <= C (1 + 1e-6)."""
+import pytest
+import torch
+from torch import nn
+
+import fastdp
+
+AUTOCAST = dict(device_type="cpu", dtype=torch.bfloat16)
+
+
+class CNN(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(1, 4, 3)
+        self.norm = nn.GroupNorm(2, 4)
+        self.fc = nn.Linear(4 * 6 * 6, 16)
+        self.ln = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.norm(self.conv(x))).flatten(1)
+        return self.head(torch.tanh(self.ln(self.fc(h))))
+
+
+def batches():
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(64, 1, 8, 8, generator=g), torch.randint(0, 3, (64,), generator=g)
+    return [(x[i:i + 16], y[i:i + 16]) for i in range(0, 64, 16)]
+
+
+def train(bf16, steps=6):
+    torch.manual_seed(0)
+    model = CNN()
+    opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), module=model, noise_multiplier=0.0,
+                             max_grad_norm=1.0, expected_batch_size=16)
+    start = [p.detach().clone() for p in model.parameters()]
+    data = batches()
+    for step in range(steps):
+        x, y = data[step % len(data)]
+        opt.zero_grad()
+        with torch.autocast(**AUTOCAST, enabled=bf16):
+            loss = nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        assert all(s.dtype == torch.float32 for s in opt.engine.summed.values())
+        opt.step()
+        assert all(p.dtype == p.grad.dtype == torch.float32 for p in model.parameters())
+    return start, list(model.parameters())
+
+
+def test_bf16_training_tracks_float32():
+    start, fp32 = train(bf16=False)
+    _, bf16 = train(bf16=True)
+    for s, a, b in zip(start, fp32, bf16):
+        update = (a - s).norm()
+        assert update > 0
+        assert (a - b).norm() <= 0.05 * update  # measured: <= 1.7%
+
+
+def test_micro_batches_accumulate_in_float32():
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), module=model, noise_multiplier=0.0,
+                             max_grad_norm=1e3, expected_batch_size=1, loss_reduction="sum")
+    x = torch.randn(6, 8)
+    for chunk in x.split(2):
+        with torch.autocast(**AUTOCAST):
+            model(chunk).float().sum().backward()
+    summed = opt.engine.summed[model.bias]
+    assert summed.dtype == torch.float32
+    assert torch.equal(summed, torch.full((4,), 6.0))  # d(sum)/d(bias) = 1 per sample, 6 samples
+
+
+def linear():
+    return nn.Linear(32, 16), torch.randn(1, 32)
+
+
+def linear_seq():
+    return nn.Linear(32, 16), torch.randn(1, 5, 32)
+
+
+def conv():
+    return nn.Conv2d(2, 4, 3), torch.randn(1, 2, 8, 8)
+
+
+def layer_norm():
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8))
+    model[0].requires_grad_(False)
+    return model, torch.randn(1, 8)
+
+
+def embedding():
+    model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 4))
+    model[1].requires_grad_(False)
+    return model, torch.randint(0, 10, (1, 6))
+
+
+BF16_SUMS = pytest.mark.xfail(
+    strict=True, reason="layer rule computes clipped sums in the bf16 grad dtype (coefficient and GEMM "
+                        "rounded to bf16): norm exceeds C by up to ~0.35%; reported to the lead")
+
+
+@pytest.mark.parametrize("make", [pytest.param(linear, marks=BF16_SUMS), pytest.param(linear_seq, marks=BF16_SUMS),
+                                  pytest.param(conv, marks=BF16_SUMS), layer_norm, embedding])
+def test_clip_bound_holds_under_autocast(make):
+    C = 1e-3  # every sample is clipped
+    worst = 0.0
+    for seed in range(10):
+        torch.manual_seed(seed)
+        model, x = make()
+        opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), module=model, noise_multiplier=0.0,
+                                 max_grad_norm=C, expected_batch_size=1, loss_reduction="sum")
+        with torch.autocast(**AUTOCAST):
+            loss = model(x).float().square().sum()
+        loss.backward()
+        sums = opt.engine.take_sums()
+        assert all(s.dtype == torch.float32 for s in sums)
+        norm = torch.sqrt(sum(s.double().square().sum() for s in sums)).item()
+        worst = max(worst, norm / C)
+    assert 0.5 < worst <= 1 + 1e-6
