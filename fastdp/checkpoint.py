@@ -19,7 +19,7 @@ accountant and skip its history.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 import torch
 from torch import nn
