@@ -301,24 +301,22 @@ def _reset_peak_rss() -> bool:
 
 
 class _OpsRecorder:
-    """Records which backend ``fastdp.ops`` dispatches each op to, while installed."""
+    """Records which backend ``fastdp.ops`` dispatches each op to (the worker never uninstalls it)."""
 
     def __init__(self):
+        self.used: Dict[str, str] = {}
+
+    def install(self) -> "_OpsRecorder":
         from fastdp import ops
 
-        self.ops, self.used = ops, {}
-        self._original = ops.implementation
+        original = ops.implementation
 
-    def __enter__(self):
         def implementation(op, device):
-            backend, fn = self._original(op, device)
+            backend, fn = original(op, device)
             self.used[op] = backend
             return backend, fn
-        self.ops.implementation = implementation
+        ops.implementation = implementation
         return self
-
-    def __exit__(self, *exc):
-        self.ops.implementation = self._original
 
 
 def measure(config: str, method: str, quick: bool, device: str, min_time: float, budget: float,
@@ -332,6 +330,7 @@ def measure(config: str, method: str, quick: bool, device: str, min_time: float,
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     builder = _fastdp_step if method.startswith("fastdp-") else _STEP_BUILDERS[method]
     step = builder(model, x, y, crit, opt)
+    recorder = _OpsRecorder().install() if method.startswith("fastdp-") else None
     cuda = dev.type == "cuda"
 
     def sync():
@@ -354,6 +353,8 @@ def measure(config: str, method: str, quick: bool, device: str, min_time: float,
         step()
         sync()
         times.append(time.perf_counter() - t0)
+        if len(times) == 1 and times[0] > budget / 6:
+            warmup = 1  # slow steps: one warm-up step leaves the budget for timed ones
         timed = times[warmup:]
         elapsed = time.perf_counter() - start
         if len(timed) >= max_steps or (len(timed) >= min_steps and sum(timed) >= min_time):
@@ -374,10 +375,8 @@ def measure(config: str, method: str, quick: bool, device: str, min_time: float,
         "warmup_steps": warmup,
         "peak_mb": peak / 2**20 if reset else None,
     }
-    if method.startswith("fastdp-"):
-        with _OpsRecorder() as rec:
-            step()
-        result["ops"] = rec.used
+    if recorder is not None:
+        result["ops"] = recorder.used
     return result
 
 
