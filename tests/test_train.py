@@ -1,0 +1,126 @@
+"""``fastdp train``: a short DP-SGD run on Fashion-MNIST, the digits smoke run, data loading."""
+import gzip
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from fastdp import accounting
+from fastdp.cli import main
+from fastdp.datasets import DatasetNotFoundError, load_dataset, read_idx
+from fastdp.train import MaxPool2x2Stride1, TrainConfig, build_model, train
+
+KEYS = {"test_accuracy", "epsilon", "delta", "noise_multiplier", "sample_rate", "steps",
+        "accountant", "wall_seconds"}
+
+
+def _run(tmp_path, *args):
+    path = tmp_path / "metrics.json"
+    assert main(["train", "--no-progress", "--metrics-json", str(path), *args]) == 0
+    return json.loads(path.read_text())
+
+
+def _check_privacy(metrics, target_epsilon):
+    recomputed = accounting.epsilon(
+        noise_multiplier=metrics["noise_multiplier"], sample_rate=metrics["sample_rate"],
+        steps=metrics["steps"], delta=metrics["delta"], accountant=metrics["accountant"],
+    )
+    assert metrics["epsilon"] == pytest.approx(recomputed, rel=1e-3)
+    # calibrated to spend the target, not much less and never more
+    assert 0.9 * target_epsilon <= metrics["epsilon"] <= target_epsilon * (1 + 1e-3)
+
+
+def test_fashion_mnist_one_epoch_on_a_subset_learns(tmp_path, capsys):
+    m = _run(tmp_path, "--dataset", "fashion-mnist", "--target-epsilon", "3", "--delta", "1e-5",
+             "--subset", "2000", "--epochs", "1", "--batch-size", "64", "--lr", "2", "--seed", "1")
+    assert set(m) == KEYS
+    assert m["test_accuracy"] > 0.35  # chance is 0.10
+    assert m["steps"] == round(2000 / 64)
+    assert m["sample_rate"] == pytest.approx(64 / 2000)
+    assert m["delta"] == 1e-5 and m["accountant"] == "pld"
+    assert m["noise_multiplier"] > 0 and m["wall_seconds"] > 0
+    _check_privacy(m, 3.0)
+    out = capsys.readouterr().out
+    assert "test accuracy" in out and "samples/s" in out
+
+
+def test_digits_smoke_run(tmp_path):
+    pytest.importorskip("sklearn", reason="--dataset digits needs scikit-learn (fastdp[data])")
+    m = _run(tmp_path, "--dataset", "digits", "--target-epsilon", "3", "--delta", "1e-5")
+    assert set(m) == KEYS
+    assert m["test_accuracy"] > 0.5
+    _check_privacy(m, 3.0)
+
+
+def test_plot_is_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    pytest.importorskip("sklearn")
+    plot = tmp_path / "curve.png"
+    _run(tmp_path, "--dataset", "digits", "--epochs", "1", "--plot", str(plot))
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(SystemExit, match="pip install matplotlib"):
+        main(["train", "--dataset", "digits", "--plot", str(tmp_path / "x.png")])
+
+
+def _write_idx(path, array):
+    header = bytes([0, 0, 0x08, array.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in array.shape)
+    with gzip.open(path, "wb") as f:
+        f.write(header + array.astype(np.uint8).tobytes())
+
+
+def test_idx_files_from_data_dir(tmp_path):
+    rng = np.random.default_rng(0)
+    stems = {"train": (50, "train"), "test": (20, "t10k")}
+    for n, stem in stems.values():
+        _write_idx(tmp_path / f"{stem}-images-idx3-ubyte.gz", rng.integers(0, 256, (n, 28, 28)))
+        _write_idx(tmp_path / f"{stem}-labels-idx1-ubyte.gz", np.arange(n) % 10)
+    data = load_dataset("fashion-mnist", data_dir=str(tmp_path), subset=30)
+    assert data.input_shape == (1, 28, 28) and data.num_classes == 10
+    assert len(data.train) == 30 and len(data.test) == 20
+    assert data.test.labels.tolist() == [i % 10 for i in range(20)]
+    assert abs(float(data.train.inputs.mean())) < 1e-4  # standardised with the training stats
+    x, y = data.train.__getitems__([3, 1])
+    assert torch.equal(x[1], data.train[1][0]) and y.tolist() == [data.train[3][1], data.train[1][1]]
+
+
+def test_read_idx_rejects_bad_files():
+    with pytest.raises(ValueError, match="IDX"):
+        read_idx(b"\x00\x00\x0d\x01" + (3).to_bytes(4, "big") + b"abc")
+    with pytest.raises(ValueError, match="expected 4 bytes"):
+        read_idx(b"\x00\x00\x08\x01" + (4).to_bytes(4, "big") + b"abc")
+
+
+def test_missing_fashion_mnist_says_how_to_install(tmp_path):
+    with pytest.raises(DatasetNotFoundError, match="apt-get install dataset-fashion-mnist"):
+        load_dataset("fashion-mnist", data_dir=str(tmp_path))
+    with pytest.raises(SystemExit, match="apt-get install dataset-fashion-mnist"):
+        main(["train", "--data-dir", str(tmp_path)])
+
+
+def test_batch_larger_than_dataset_is_rejected():
+    pytest.importorskip("sklearn")
+    with pytest.raises(ValueError, match="exceeds"):
+        train(TrainConfig(dataset="digits", subset=100, batch_size=200, progress=False))
+
+
+def test_fast_max_pool_matches_torch():
+    x = torch.randn(3, 4, 9, 7, dtype=torch.float64, requires_grad=True)
+    ours = MaxPool2x2Stride1()(x)
+    ref = nn.MaxPool2d(2, stride=1)(x)
+    assert torch.equal(ours, ref)
+    w = torch.randn_like(ref)
+    (g1,) = torch.autograd.grad((ours * w).sum(), x)
+    (g2,) = torch.autograd.grad((ref * w).sum(), x)
+    assert torch.allclose(g1, g2)
+
+
+def test_models_fit_their_inputs():
+    for shape in ((1, 28, 28), (1, 8, 8)):
+        assert build_model(shape, 10)(torch.zeros(2, *shape)).shape == (2, 10)
