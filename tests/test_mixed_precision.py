@@ -95,13 +95,7 @@ def embedding():
     return model, torch.randint(0, 10, (1, 6))
 
 
-BF16_SUMS = pytest.mark.xfail(
-    strict=True, reason="layer rule computes clipped sums in the bf16 grad dtype (coefficient and GEMM "
-                        "rounded to bf16): norm exceeds C by up to ~0.35%; reported to the lead")
-
-
-@pytest.mark.parametrize("make", [pytest.param(linear, marks=BF16_SUMS), pytest.param(linear_seq, marks=BF16_SUMS),
-                                  pytest.param(conv, marks=BF16_SUMS), layer_norm, embedding])
+@pytest.mark.parametrize("make", [linear, linear_seq, conv, layer_norm, embedding])
 def test_clip_bound_holds_under_autocast(make):
     C = 1e-3  # every sample is clipped
     worst = 0.0

@@ -67,7 +67,17 @@ class Tap:
         self.sink, self.module, self.rule, self.names = sink, module, rule, names
 
     def fire(self, activation: Any, grad_output: torch.Tensor) -> None:
-        self.sink(Record(self.module, self.rule, self.names, activation, grad_output))
+        """Hand over what backward saw; half-precision tensors are widened to float32 so that
+        norms, coefficients and clipped sums all accumulate in float32 (mixed precision)."""
+        self.sink(Record(self.module, self.rule, self.names, _widen(activation), _widen(grad_output)))
+
+
+def _widen(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    if isinstance(x, tuple):
+        return tuple(_widen(v) for v in x)
+    return x
 
 
 class LayerRule:
