@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
 FMNIST_DIR ?= /usr/share/datasets/fashion-mnist
 
-.PHONY: demo test install cuda-check bench clean
+.PHONY: demo test test-backends install fashion-mnist cuda-check bench clean
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,7 @@ $(VENV)/.created:
 # that no build step can pull a CUDA torch of its own.
 $(VENV)/.installed: $(VENV)/.created pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
 	$(PIP) install -q "$(TORCH)"
-	$(PIP) install -q --no-build-isolation -e ".[test,triton]"
+	$(PIP) install -q --no-build-isolation -e ".[test,triton,bench,data]"
 	touch $@
 
 install: $(VENV)/.installed
@@ -35,8 +35,16 @@ demo: install fashion-mnist
 	$(PY) -m fastdp train --dataset fashion-mnist --target-epsilon 3 --delta 1e-5 \
 	    --metrics-json out/metrics.json --plot out/accuracy.png
 
-test: install cuda-check
+test: install fashion-mnist cuda-check
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-backends
+
+# The engine's exactness tests again with each kernel backend forced (Triton through its
+# CPU interpreter, with fewer hypothesis examples: the interpreter is slow).
+ENGINE_TESTS := tests/test_layers.py tests/test_engine.py tests/test_errors.py
+test-backends: install
+	FASTDP_BACKEND=native $(PY) -m pytest -q $(ENGINE_TESTS)
+	TRITON_INTERPRET=1 FASTDP_BACKEND=triton FASTDP_EXAMPLES=4 $(PY) -m pytest -q $(ENGINE_TESTS)
 
 # The CUDA sources must compile even on machines without a GPU.
 cuda-check:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from typing import Callable, Dict, List, Sequence
 
 import torch
@@ -9,6 +10,11 @@ from torch import nn
 
 import fastdp
 from fastdp.clipping import EPS
+
+
+def examples(default: int) -> int:
+    """Hypothesis examples per test; FASTDP_EXAMPLES lowers it for slow (interpreted) backends."""
+    return min(default, int(os.environ.get("FASTDP_EXAMPLES", default)))
 
 
 def sample_loss(out: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

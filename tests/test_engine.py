@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 from torch import nn
 
 import fastdp
-from reference import check_exact, fastdp_clipped_sum, max_rel_error, clipped_sum_reference, trainable_names
+from reference import examples, check_exact, fastdp_clipped_sum, max_rel_error, clipped_sum_reference, trainable_names
 
 
 @pytest.fixture(autouse=True)
@@ -37,7 +37,7 @@ class TiedLM(nn.Module):
         return self.head(self.norm(h))
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=examples(10), deadline=None)
 @given(batch=st.integers(1, 4), seq=st.integers(1, 6), seed=st.integers(0, 99))
 def test_tied_and_reused_parameters_are_exact(batch, seq, seed):
     torch.manual_seed(seed)

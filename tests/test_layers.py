@@ -4,9 +4,9 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch import nn
 
-from reference import check_exact
+from reference import examples, check_exact
 
-SETTINGS = settings(max_examples=25, deadline=None)
+SETTINGS = settings(max_examples=examples(25), deadline=None)
 
 
 @pytest.fixture(autouse=True)
