@@ -6,6 +6,9 @@
 
 or, Opacus-style, ``model, optimizer, loader = fastdp.make_private(...)``.
 """
+from fastdp import checkpoint
+from fastdp.data import BatchMemoryManager, PoissonBatchSampler, poisson_loader
+from fastdp.distributed import DistributedDPOptimizer, distributed_poisson_loader
 from fastdp.engine import GradSampleEngine, NonFiniteGradientError
 from fastdp.layers import UnsupportedModuleError
 from fastdp.optimizer import DPOptimizer
@@ -14,6 +17,8 @@ from fastdp.validate import find_problems, fix, validate
 
 __version__ = "0.1.0"
 __all__ = [
+    "BatchMemoryManager", "DistributedDPOptimizer", "PoissonBatchSampler", "checkpoint",
+    "distributed_poisson_loader", "poisson_loader",
     "DPOptimizer", "GradSampleEngine", "NonFiniteGradientError", "UnsupportedModuleError",
     "find_problems", "fix", "make_private", "validate",
 ]
