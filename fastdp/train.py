@@ -6,7 +6,9 @@ multiplier calibrated by the chosen accountant (tight PLD by default) so that th
 
     fastdp train --dataset fashion-mnist --target-epsilon 3 --delta 1e-5 --metrics-json out.json
 
-The defaults for Fashion-MNIST follow Tramer & Boneh (ICLR 2021)'s end-to-end tanh CNN;
+The Fashion-MNIST defaults are Tramer & Boneh (ICLR 2021)'s end-to-end tanh CNN and
+hyper-parameters (batch 2048, SGD lr 4 momentum 0.9, C = 0.1) with 30 epochs instead of 40:
+the tight accountant leaves a smaller sigma for the same (epsilon, delta).
 ``--dataset digits`` (scikit-learn's 8x8 digits) is a seconds-long smoke run.
 """
 from __future__ import annotations
@@ -22,15 +24,17 @@ from typing import Dict, List, Optional, Tuple
 import torch
 from torch import nn
 from torch.utils.data import DataLoader
+from tqdm import tqdm
 
 from fastdp.datasets import DATASETS, DatasetNotFoundError, collate_pairs, load_dataset
+from fastdp.privacy import make_private
 
 METRIC_KEYS = ("test_accuracy", "epsilon", "delta", "noise_multiplier", "sample_rate", "steps",
                "accountant", "wall_seconds")
 
 # Per-dataset defaults; a command-line value overrides each of them.
 DEFAULTS: Dict[str, Dict[str, float]] = {
-    "fashion-mnist": dict(epochs=40, batch_size=2048, lr=4.0, momentum=0.9, max_grad_norm=0.1),
+    "fashion-mnist": dict(epochs=30, batch_size=2048, lr=4.0, momentum=0.9, max_grad_norm=0.1),
     "digits": dict(epochs=10, batch_size=128, lr=2.0, momentum=0.9, max_grad_norm=0.1),
 }
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU}
@@ -124,8 +128,6 @@ def evaluate(model: nn.Module, dataset, batch_size: int = 2500) -> float:
 
 def train(config: TrainConfig) -> TrainResult:
     """Run DP-SGD training as ``config`` says; returns metrics and the per-epoch curve."""
-    import fastdp
-
     started = time.perf_counter()
     cfg = config.resolved()
     if cfg.epochs <= 0 or cfg.batch_size <= 0:
@@ -139,7 +141,7 @@ def train(config: TrainConfig) -> TrainResult:
     model = build_model(data.input_shape, data.num_classes, cfg.activation)
     base = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     loader = DataLoader(data.train, batch_size=cfg.batch_size, collate_fn=collate_pairs)
-    model, optimizer, loader = fastdp.make_private(
+    model, optimizer, loader = make_private(
         module=model, optimizer=base, data_loader=loader, max_grad_norm=cfg.max_grad_norm,
         target_epsilon=cfg.target_epsilon, target_delta=cfg.delta, epochs=cfg.epochs,
         accountant=cfg.accountant, seed=cfg.seed,
@@ -147,9 +149,6 @@ def train(config: TrainConfig) -> TrainResult:
     steps_per_epoch = len(loader)
     result = TrainResult(metrics={})
     criterion = nn.CrossEntropyLoss()
-
-    from tqdm import tqdm
-
     bar = tqdm(total=steps_per_epoch * cfg.epochs, disable=not cfg.progress, unit="step",
                desc=f"DP-SGD sigma={optimizer.noise_multiplier:.3f}")
     train_started = time.perf_counter()
@@ -221,8 +220,8 @@ def _summary(cfg: TrainConfig, result: TrainResult) -> str:
         f"privacy: epsilon {m['epsilon']:.4f} at delta {m['delta']:g} ({m['accountant']} accountant)",
         f"sigma {m['noise_multiplier']:.4f}, q {m['sample_rate']:.6f}, {m['steps']} steps, "
         f"C {cfg.max_grad_norm:g}, batch {cfg.batch_size}, lr {cfg.lr:g}, momentum {cfg.momentum:g}",
-        f"wall time {m['wall_seconds']:.1f} s (training {result.train_seconds:.1f} s, "
-        f"{rate:.0f} samples/s)",
+        f"wall time {m['wall_seconds']:.1f} s (training loop {result.train_seconds:.1f} s with the "
+        f"per-epoch test and accounting, {rate:.0f} training samples/s)",
     ])
 
 
@@ -275,7 +274,7 @@ def register(subparsers) -> None:
     p.add_argument("--dataset", choices=DATASETS, default="fashion-mnist")
     p.add_argument("--target-epsilon", type=_positive_float, default=3.0)
     p.add_argument("--delta", type=_positive_float, default=1e-5)
-    p.add_argument("--epochs", type=int, help="default: 40 (fashion-mnist), 10 (digits)")
+    p.add_argument("--epochs", type=int, help="default: 30 (fashion-mnist), 10 (digits)")
     p.add_argument("--batch-size", type=int, help="expected (Poisson) batch size; default 2048 / 128")
     p.add_argument("--lr", type=_positive_float, help="SGD learning rate; default 4 / 2")
     p.add_argument("--momentum", type=float, help="SGD momentum; default 0.9")
