@@ -39,6 +39,7 @@ MEMORY_METHOD_CPU = (
     "peak RSS increase: VmHWM (reset via /proc/self/clear_refs) minus VmRSS after building "
     "model, data and optimizer, before the first step"
 )
+_CLOCKS = {"wall": "wall time", "cpu": "process CPU time (user + system, all threads)"}
 MEMORY_METHOD_CUDA = "torch.cuda.max_memory_allocated() minus memory_allocated() before the first step"
 
 # ----------------------------------------------------------------------------- models
@@ -320,7 +321,7 @@ class _OpsRecorder:
 
 
 def measure(config: str, method: str, quick: bool, device: str, min_time: float, budget: float,
-            threads: int) -> dict:
+            threads: int, clock: str = "wall") -> dict:
     """Build, warm up, time and measure one (config, method) in this process."""
     torch.set_num_threads(threads)
     torch.manual_seed(SEED)
@@ -344,18 +345,19 @@ def measure(config: str, method: str, quick: bool, device: str, min_time: float,
     else:
         base, reset = _proc_status()["VmRSS"], _reset_peak_rss()
     start = time.perf_counter()
-    times = []
+    times, cpu_times = [], []
     warmup = 1 if quick else 2
     max_steps = 3 if quick else 200
     min_steps = 2 if quick else 3
     while True:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         step()
         sync()
         times.append(time.perf_counter() - t0)
+        cpu_times.append(time.process_time() - c0)
         if len(times) == 1 and times[0] > budget / 6:
             warmup = 1  # slow steps: one warm-up step leaves the budget for timed ones
-        timed = times[warmup:]
+        timed = (times if clock == "wall" else cpu_times)[warmup:]
         elapsed = time.perf_counter() - start
         if len(timed) >= max_steps or (len(timed) >= min_steps and sum(timed) >= min_time):
             break
@@ -371,6 +373,9 @@ def measure(config: str, method: str, quick: bool, device: str, min_time: float,
     result = {
         "step_ms": 1e3 * statistics.median(timed),
         "step_ms_min": 1e3 * min(timed),
+        "wall_ms": 1e3 * statistics.median(times[warmup:]),
+        "cpu_ms": 1e3 * statistics.median(cpu_times[warmup:]),
+        "load_avg_1m": round(os.getloadavg()[0], 2),
         "steps": len(timed),
         "warmup_steps": warmup,
         "peak_mb": peak / 2**20 if reset else None,
@@ -414,7 +419,8 @@ def _run_one(config: str, method: str, args) -> dict:
     if method.startswith("fastdp-"):
         env["FASTDP_BACKEND"] = method.split("-", 1)[1]
     payload = json.dumps({"config": config, "method": method, "quick": args.quick, "device": args.device,
-                          "min_time": args.min_time, "budget": args.budget, "threads": args.threads})
+                          "min_time": args.min_time, "budget": args.budget, "threads": args.threads,
+                          "clock": args.clock})
     cmd = [sys.executable, "-c", "import sys, fastdp.bench as b; sys.exit(b._worker(sys.argv[1:]))", payload]
     t0 = time.perf_counter()
     try:
@@ -461,11 +467,13 @@ def markdown(rows: List[dict], meta: dict) -> str:
         f"Command: `{meta['command']}`  ",
         f"Date: {meta['date']}; torch {meta['torch']}, {meta['device_name']}, {meta['threads']} threads, "
         f"load average before the run {meta['load_average_before']}.  ",
-        f"Time: median per-step wall time after warm-up; ratio to the non-private step of the same config.  ",
+        f"Time: median per-step {_CLOCKS[meta['clock']]} after warm-up; ratio to the non-private step of the "
+        "same config.  ",
         f"Memory: {meta['memory_method']}; ratio to the non-private step.",
         "",
-        "| config | method | backend (ops used) | step ms | × non-private | peak extra MiB | × non-private | status |",
-        "|---|---|---|---:|---:|---:|---:|---|",
+        "| config | method | backend (ops used) | step ms | × non-private | peak extra MiB | × non-private "
+        "| load 1m | status |",
+        "|---|---|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         status = r["status"] if not r.get("note") else f"{r['status']} ({r['note']})"
@@ -474,7 +482,7 @@ def markdown(rows: List[dict], meta: dict) -> str:
         lines.append(
             f"| {r['config']} | {r['method']} | {_backend_label(r)} | {_fmt(r.get('step_ms'), '.1f')} | "
             f"{_fmt(r.get('time_ratio'), '.2f')} | {_fmt(r.get('peak_mb'), '.1f')} | "
-            f"{_fmt(r.get('mem_ratio'), '.2f')} | {status} |"
+            f"{_fmt(r.get('mem_ratio'), '.2f')} | {_fmt(r.get('load_avg_1m'), '.1f')} | {status} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -510,7 +518,8 @@ def plot(rows: List[dict], path: str) -> None:
 def _command(args) -> str:
     """The ``fastdp bench`` command line that reproduces ``args``."""
     parts = ["fastdp bench"] + (["--quick"] if args.quick else [])
-    for name in ("configs", "methods", "device", "threads", "min_time", "budget", "markdown", "json", "plot"):
+    for name in ("configs", "methods", "device", "threads", "clock", "min_time", "budget", "markdown", "json",
+                 "plot"):
         value = getattr(args, name)
         if value is not None:
             parts.append(f"--{name.replace('_', '-')} {value}")
@@ -545,6 +554,8 @@ def run(args) -> int:
     methods = _split(args.methods, METHODS, "method(s)")
     if methods and any(m.startswith("opacus-") for m in methods) and not _have("opacus"):
         raise SystemExit(f"fastdp bench: the requested Opacus methods need Opacus. {_OPACUS_HINT}")
+    if args.clock == "cpu" and args.device == "cuda":
+        raise SystemExit("fastdp bench: --clock cpu does not time CUDA kernels; use --clock wall on CUDA")
     if args.plot and not _have("matplotlib"):
         raise SystemExit("fastdp bench: --plot needs matplotlib: pip install 'fastdp[bench]'")
     methods = methods or _default_methods(args.device)
@@ -568,7 +579,7 @@ def run(args) -> int:
         "quick": args.quick,
         "noise_multiplier": NOISE_MULTIPLIER, "max_grad_norm": MAX_GRAD_NORM, "optimizer": f"SGD(lr={LR})",
         "memory_method": MEMORY_METHOD_CUDA if cuda else MEMORY_METHOD_CPU,
-        "budget_s": args.budget, "min_time_s": args.min_time,
+        "budget_s": args.budget, "min_time_s": args.min_time, "clock": args.clock,
     }
     rows = []
     for config in configs:
@@ -603,6 +614,8 @@ def register(subparsers) -> None:
     p.add_argument("--min-time", type=float, help="seconds of timed steps per method (default 1, quick 0.05)")
     p.add_argument("--budget", type=float, help="seconds per method before it stops stepping (default 90, quick 30)")
     p.add_argument("--threads", type=int, help="torch threads per measurement (default: torch's, quick 1)")
+    p.add_argument("--clock", choices=tuple(_CLOCKS), default="wall",
+                   help="time steps by wall clock (default) or by this process's CPU time (shared machines)")
     p.add_argument("--markdown", metavar="PATH", help="also write the markdown table here")
     p.add_argument("--json", metavar="PATH", help="write all results as JSON here")
     p.add_argument("--plot", metavar="PATH", help="write a PNG bar chart of the ratios here")
