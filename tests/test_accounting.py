@@ -28,7 +28,8 @@ from fastdp.accounting.pld import gaussian_epsilon, subsampled_gaussian_pld
 from fastdp.accounting.rdp import log_a, rdp_subsampled_gaussian, rdp_to_epsilon
 
 ACCOUNTANTS = ["rdp", "pld"]
-PROPS = settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# derandomize: the same examples on every run, so CI time and outcome are reproducible
+PROPS = settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 
 
 # --------------------------------------------------------------------------- API
@@ -180,6 +181,42 @@ def test_numeric_pld_matches_exact_gaussian(sigma, steps, delta):
     assert exact <= numeric <= exact * (1 + 1e-5)
 
 
+@pytest.mark.parametrize("sigma, steps", [(1.0, 10), (5.0, 2000)])
+@pytest.mark.parametrize("delta", [1e-10, 1e-13, 1e-15])
+def test_numeric_pld_stays_an_upper_bound_for_tiny_delta(sigma, steps, delta):
+    """FFT rounding noise is bounded and added; the tilted pass keeps tiny deltas accurate."""
+    numeric = max(PLDAccountant().direction_epsilons({(sigma, 1.0): steps}, delta).values())
+    exact = gaussian_epsilon(math.sqrt(steps) / sigma, delta)
+    assert exact <= numeric <= exact * (1 + 1e-5)
+
+
+def test_tiny_delta_subsampled_is_smooth_and_below_rdp():
+    eps = [accounting.epsilon(1.0, 0.01, 100, d) for d in (1e-10, 1e-12, 1e-14)]
+    rdp = [accounting.epsilon(1.0, 0.01, 100, d, accountant="rdp") for d in (1e-10, 1e-12, 1e-14)]
+    assert eps[0] < eps[1] < eps[2] and all(e < r for e, r in zip(eps, rdp))
+    # equal decrements in log(delta) give nearly equal increments in epsilon here
+    assert (eps[2] - eps[1]) == pytest.approx(eps[1] - eps[0], rel=0.2)
+
+
+def test_discrete_pld_delta_and_epsilon_are_inverse():
+    pld = PLDAccountant().composed_pld({(1.0, 0.02): 300}, 1e-6, "remove")
+    for delta in (1e-3, 1e-6, 1e-9):
+        eps = pld.epsilon(delta)
+        assert pld.delta(eps) == pytest.approx(delta, rel=1e-6)
+        assert pld.delta(eps * 0.999) > delta
+
+
+def test_extreme_parameters_do_not_crash():
+    with pytest.warns(OrderGridWarning):  # the optimum for such small sigma sits below the grid
+        assert math.isfinite(accounting.epsilon(0.05, 0.01, 10, 1e-5, accountant="rdp"))
+    with pytest.warns(OrderGridWarning):
+        assert math.isfinite(accounting.epsilon(0.2, 0.5, 1000, 1e-5, accountant="rdp"))
+    assert accounting.epsilon(1.0, 1e-10, 100, 1e-5, accountant="rdp") == 0.0
+    assert accounting.epsilon(1.0, 1 - 1e-12, 10, 1e-5) == pytest.approx(
+        gaussian_epsilon(math.sqrt(10), 1e-5), rel=1e-6
+    )
+
+
 def test_rdp_full_batch_closed_form():
     orders = [1.5, 2.0, 7.25, 32.0]
     assert np.allclose(rdp_subsampled_gaussian(1.0, 2.0, orders), np.array(orders) / (2 * 2.0**2), rtol=1e-14)
@@ -300,7 +337,7 @@ def test_epsilon_increases_with_sample_rate(sigma, q1, q2, steps, delta, name):
     assert e_lo <= e_hi * (1 + REL) + 1e-12
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
     target=st.floats(min_value=0.3, max_value=10.0),
     q=st.floats(min_value=1e-3, max_value=0.2),

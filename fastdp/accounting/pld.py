@@ -272,14 +272,95 @@ class WindowTooLarge(Exception):
         self.size = size
 
 
+def _fft_power_product(weights: Sequence[Tuple[np.ndarray, int]], size: int, shift: int) -> np.ndarray:
+    """prod_g (weights_g)^{*count_g} as a circular convolution of length ``size``, rolled by ``shift``."""
+    spectrum = None
+    for w, count in weights:
+        f = sp_fft.rfft(_fold(w, size))
+        f = f**count if count > 1 else f
+        spectrum = f if spectrum is None else spectrum * f
+    return np.roll(sp_fft.irfft(spectrum, n=size), -shift)
+
+
+def _noise_level(raw: np.ndarray, total_steps: int) -> float:
+    """Per-bin bound on FFT rounding noise: 4x the larger of the most negative entry
+    (pure noise) and ``steps * eps_machine * peak`` (the T-th power amplifies relative
+    errors of the transform about T-fold)."""
+    peak = float(raw.max())
+    observed = max(-float(raw.min()), 0.0)
+    return 4.0 * max(observed, total_steps * np.finfo(float).eps * max(peak, 0.0))
+
+
+def _tilt(lambdas, pos, neg, groups, delta, bottom, top, h, max_size):
+    """(tilt, window top) for the refinement pass, or None.
+
+    The ideal tilt centres the composition where P(S > t) ~ delta (the Chernoff optimum
+    for delta).  The tilted composition needs its own window: it starts at ``bottom``
+    like the plain one and ends where the tilted upper tail drops below 1e-16 (again a
+    Chernoff bound, with the MGF values on the grid); going down from the ideal tilt
+    we take the first one whose window is at most ``max_size`` points.  (Wrap-around
+    would only add mass, i.e. stay pessimistic; the bound keeps it negligible.)
+    """
+    log_mass = sum(count * math.log(max(pld.probs.sum(), 1e-300)) for pld, count in groups)
+    lam_all = np.concatenate([-lambdas[::-1], [0.0], lambdas])
+    k_all = np.concatenate([neg[::-1], [log_mass], pos])  # sum_g T_g log M_g(lam)
+    target = int(np.argmin((pos - math.log(delta)) / lambdas))
+    first = lambdas.size + 1  # index of lambdas[0] in lam_all
+    log_alias = math.log(1e-16)
+    for i in range(min(first + target, lam_all.size - 2), first - 1, -1):
+        down = np.min(k_all[:i] - k_all[i] - (lam_all[:i] - lam_all[i]) * bottom)
+        if down > log_alias:
+            continue
+        tilted_top = float(np.min((k_all[i + 1:] - k_all[i] - log_alias) / (lam_all[i + 1:] - lam_all[i])))
+        top_index = math.ceil(max(tilted_top, top) / h)
+        if top_index - math.floor(bottom / h) + 1 <= max_size:
+            return float(lam_all[i]), top_index
+    return None
+
+
+def _refine_with_tilt(groups, composed, noise, lam, size, size_t, shift_t, first, h):
+    """Recompute entries of ``composed`` from the tilted composition where that is more
+    precise (see compose_plds); ``noise`` holds per-bin noise bounds and is updated too."""
+    weights, log_norm = [], 0.0
+    for pld, count in groups:
+        keep = pld.probs > 0
+        exponent = np.full(pld.probs.size, -np.inf)
+        # tilt relative to the group's own grid start; the offsets are restored below
+        exponent[keep] = np.log(pld.probs[keep]) + lam * np.flatnonzero(keep) * h
+        top = exponent.max()
+        norm = top + math.log(np.exp(exponent - top).sum())
+        weights.append((np.exp(exponent - norm), count))
+        log_norm += count * norm
+    raw = _fft_power_product(weights, size_t, shift_t)[:size]
+    tilted_noise = _noise_level(raw, sum(count for _, count in groups))
+    # composed[m] = tilted[m] * exp(log_factor[m])
+    log_factor = log_norm - lam * (first + np.arange(size)) * h
+    with np.errstate(divide="ignore"):
+        better = log_factor + math.log(tilted_noise) < np.log(noise)
+    factor = np.exp(log_factor[better])
+    composed[better] = np.maximum(raw[better], 0.0) * factor
+    noise[better] = tilted_noise * factor
+
+
 def compose_plds(
-    groups: Sequence[Tuple[DiscretePLD, int]], tail: float, max_size: int = 1 << 22
+    groups: Sequence[Tuple[DiscretePLD, int]],
+    tail: float,
+    max_size: int = 1 << 22,
+    delta: float = None,
 ) -> DiscretePLD:
     """Compose ``count`` copies of each PLD (all on one grid) by FFT.
 
     The window keeps all but ``tail`` of the composed finite mass on each side (Chernoff
     bounds); that allowance is carried in ``extra_delta``.  Mass outside the window
     wraps around into it, which only adds mass, so the result stays pessimistic.
+
+    FFT rounding leaves noise of about ``steps * 1e-16`` of the largest entry in every
+    bin, which swamps masses of order delta when delta is tiny.  When ``delta`` is given,
+    a second pass composes the exponentially tilted distributions ``p(l) e^(lam l) / M(lam)``
+    (tilting commutes with convolution) with ``lam`` chosen so that the tilted
+    composition peaks where losses of probability ~delta live; each bin then takes
+    whichever of the two passes has the smaller noise level there, and that noise bound
+    is added to the bin (pessimistic).
     """
     h = groups[0][0].interval
     if any(g.interval != h for g, _ in groups):
@@ -308,14 +389,21 @@ def compose_plds(
     if size > max_size:
         raise WindowTooLarge(size)
     base = sum(count * pld.offset for pld, count in groups)
-    spectrum = None
-    for pld, count in groups:
-        f = sp_fft.rfft(_fold(pld.probs, size))
-        f = f**count if count > 1 else f
-        spectrum = f if spectrum is None else spectrum * f
-    composed = sp_fft.irfft(spectrum, n=size)
     shift = (lo - base) % size
-    composed = np.maximum(np.roll(composed, -shift), 0.0)
+    raw = _fft_power_product([(pld.probs, count) for pld, count in groups], size, shift)
+    composed = np.maximum(raw, 0.0)
+    noise = np.full(size, _noise_level(raw, sum(count for _, count in groups)))
+
+    if delta is not None and 0.0 < delta < 1.0:
+        tilt_max = min(max_size, max(4 * size, 1 << 16))
+        choice = _tilt(lambdas, pos, neg, groups, delta, lo * h, (lo + size - 1) * h, h, tilt_max)
+        if choice is not None:
+            lam, top_index = choice
+            size_t = sp_fft.next_fast_len(top_index - lo + 1, real=True)
+            shift_t = (lo - base) % size_t
+            _refine_with_tilt(groups, composed, noise, lam, size, size_t, shift_t, lo - base, h)
+    composed += noise  # pessimistic: every bin may hold up to its noise bound more
+
     inf_mass = -math.expm1(log_keep) if log_keep > -math.inf else 1.0
     extra = 2.0 * tail + sum(pld.extra_delta * count for pld, count in groups)
     return DiscretePLD(offset=lo, probs=composed, interval=h, inf_mass=inf_mass, extra_delta=extra)
@@ -413,7 +501,7 @@ class PLDAccountant(Accountant):
             for (sigma, q), steps in counts.items():
                 groups.append((subsampled_gaussian_pld(sigma, q, direction, h, step_tail), steps))
             try:
-                return compose_plds(groups, window_tail, self.max_fft_size)
+                return compose_plds(groups, window_tail, self.max_fft_size, delta=delta)
             except WindowTooLarge as exc:
                 h *= 1.25 * exc.size / self.max_fft_size
         raise RuntimeError("could not fit the privacy loss distribution into the FFT window")

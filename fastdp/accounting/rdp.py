@@ -77,8 +77,9 @@ def _log_a_fractional(q: float, sigma: float, alpha: float, rel_tol_log: float =
 
     Terms are added in chunks until every term in a chunk is below ``exp(rel_tol_log)``
     times the running value of ``A - 1`` (the part that carries the privacy loss; A >= 1)
-    and the index has passed alpha (after which the terms alternate in sign and shrink,
-    so the remainder is smaller than the last term).
+    or below 1e-16 A (float resolution), and the index has passed alpha (after which
+    the terms alternate in sign and shrink, so the remainder is smaller than the last
+    term).
     """
     log_q, log_1mq = math.log(q), math.log1p(-q)
     z0 = sigma**2 * (log_1mq - log_q) + 0.5
@@ -104,9 +105,17 @@ def _log_a_fractional(q: float, sigma: float, alpha: float, rel_tol_log: float =
         if signs.any():
             log_neg = np.logaddexp(log_neg, special.logsumexp(terms[signs]))
         start += chunk
-        total = log_pos if log_neg == -np.inf else log_pos + math.log1p(-math.exp(min(log_neg - log_pos, 0.0)))
-        scale = math.log(max(math.expm1(total), 1e-300))  # log(A - 1)
-        if start > alpha + 1 and terms.max() < scale + rel_tol_log:
+        if log_neg == -np.inf:
+            total = float(log_pos)
+        elif log_neg < log_pos:
+            total = float(log_pos + math.log1p(-math.exp(log_neg - log_pos)))
+        else:  # cannot happen for an exact sum (A >= 1); guard against round-off
+            total = 0.0
+        # log(A - 1), the part of A that carries the privacy loss
+        excess = -math.expm1(-total)  # (A - 1) / A, accurate for tiny A - 1
+        scale = total + math.log(excess) if excess > 0.0 else -745.0
+        # (A itself is only resolved to ~1e-16 in float64: no point going below that)
+        if start > alpha + 1 and terms.max() < max(scale + rel_tol_log, total - 37.0):
             return float(total)
         if start > 50_000_000:
             warnings.warn(f"RDP series for alpha={alpha} did not converge; result may be inaccurate")
