@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from scipy import fft as sp_fft
@@ -346,7 +346,7 @@ def compose_plds(
     groups: Sequence[Tuple[DiscretePLD, int]],
     tail: float,
     max_size: int = 1 << 22,
-    delta: float = None,
+    delta: Optional[float] = None,
 ) -> DiscretePLD:
     """Compose ``count`` copies of each PLD (all on one grid) by FFT.
 
@@ -468,6 +468,8 @@ class PLDAccountant(Accountant):
             counts[(sigma, q)] = counts.get((sigma, q), 0) + steps
         key = (tuple(sorted(counts.items())), delta)
         if key not in self._cache:
+            if len(self._cache) >= 32:  # keep the cache small: drop the oldest answer
+                self._cache.pop(next(iter(self._cache)))
             self._cache[key] = self._compute(counts, delta)
         return self._cache[key]
 
@@ -492,7 +494,7 @@ class PLDAccountant(Accountant):
         for _ in range(20):
             groups = []
             widths = []
-            for (sigma, q), steps in counts.items():
+            for sigma, q in counts:
                 lo_loss, hi_loss = _loss_range(direction, sigma, q, step_tail)
                 widths.append((hi_loss - lo_loss) / h)
             if max(widths) > self.max_fft_size:
