@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from fastdp.layers import Record, Tap, UnsupportedModuleError, rule_for
+from fastdp.layers.base import sq_norms_of
 from fastdp.validate import validate
 
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -134,7 +135,7 @@ class GradSampleEngine:
                 for name, norms in rec.rule.sq_norms(rec, names).items():
                     sq_norms[rec.param(name)] = norms
         for p, grads in shared.items():
-            sq_norms[p] = grads.flatten(1).square().sum(1, dtype=torch.float64)
+            sq_norms[p] = sq_norms_of(grads)
         if scale != 1.0:
             sq_norms = {p: n * (scale * scale) for p, n in sq_norms.items()}
 

@@ -14,7 +14,10 @@ Backend choice, per call, by the tensor's device:
 Conventions shared by all implementations:
 
 * ``a``: activations ``(B, T, d)``; ``g``: output gradients ``(B, T, p)``.
-* Squared norms are returned as float64 tensors of shape ``(B,)``.
+* Squared norms are returned as float64 tensors of shape ``(B,)``. Float32 inputs are
+  summed in float32 first: PyTorch's CPU reductions sum in cascaded blocks, which keeps
+  ~1e-7 relative error even over 16M-element per-sample gradients, at a tenth of the cost
+  of widening every element to float64 (``.norm()`` does NOT do this: never use it here).
 """
 from __future__ import annotations
 
@@ -105,21 +108,22 @@ def _call(op: str, device: torch.device, *args, **kwargs):
 # --------------------------------------------------------------------------- references
 
 
-def linear_sq_norms_ghost_ref(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """``sum_{s,t} (a_s . a_t)(g_s . g_t)`` per sample via the two ``T x T`` Gram matrices.
+def sum_to_float64(x: torch.Tensor, dims) -> torch.Tensor:
+    """``x.sum(dims)`` accumulated in x's dtype (cascaded on CPU), returned as float64."""
+    return x.sum(dims).double()
 
-    Accumulates the final contraction in float64: the Gram entries carry float32
-    rounding, but summing ``T^2`` products in float64 loses nothing further.
-    """
+
+def linear_sq_norms_ghost_ref(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``sum_{s,t} (a_s . a_t)(g_s . g_t)`` per sample via the two ``T x T`` Gram matrices."""
     gram_a = torch.bmm(a, a.transpose(1, 2))
     gram_g = torch.bmm(g, g.transpose(1, 2))
-    return torch.einsum("bst,bst->b", gram_a.double(), gram_g.double())
+    return sum_to_float64(gram_a.mul_(gram_g), (1, 2))
 
 
 def linear_sq_norms_direct_ref(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """``||g_i^T a_i||_F^2`` per sample by instantiating the ``(p, d)`` per-sample gradients."""
     per_sample = torch.bmm(g.transpose(1, 2), a)
-    return per_sample.square().sum(dim=(1, 2), dtype=torch.float64)
+    return sum_to_float64(per_sample.square_(), (1, 2))
 
 
 def embedding_sq_norms_ref(

@@ -22,6 +22,8 @@ from typing import Any, Callable, Dict, Iterable, Tuple
 import torch
 from torch import nn
 
+from fastdp.ops import sum_to_float64
+
 # Per-sample tensors larger than this many elements are processed in batch chunks.
 CHUNK_ELEMENTS = 1 << 24
 
@@ -103,7 +105,7 @@ class LayerRule:
         """Default: instantiate (and keep, for :meth:`clipped_sums`) the per-sample gradients."""
         grads = self.per_sample_grads(rec, names)
         rec.cache.update(grads)
-        return {n: g.flatten(1).square().sum(1, dtype=torch.float64) for n, g in grads.items()}
+        return {n: sq_norms_of(g) for n, g in grads.items()}
 
     def per_sample_grads(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -113,6 +115,11 @@ class LayerRule:
         missing = [n for n in coefs if n not in rec.cache]
         grads = {**rec.cache, **(self.per_sample_grads(rec, missing) if missing else {})}
         return {n: torch.einsum("b,b...->...", coefs[n].to(grads[n].dtype), grads[n]) for n in coefs}
+
+
+def sq_norms_of(per_sample: torch.Tensor) -> torch.Tensor:
+    """Squared L2 norm of each sample's slice of ``per_sample`` (B, ...), as float64 (B,)."""
+    return sum_to_float64(per_sample.flatten(1).square(), 1)
 
 
 def batch_chunks(batch: int, per_sample_elements: int) -> Iterable[slice]:

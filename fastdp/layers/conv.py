@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdp.layers import register
-from fastdp.layers.base import LayerRule, Record, Tap, UnsupportedModuleError, batch_chunks, expand_like
+from fastdp.layers.base import LayerRule, Record, Tap, UnsupportedModuleError, batch_chunks, expand_like, sq_norms_of
 from fastdp.layers.linear import ghost_is_cheaper, sq_norms_3d
 
 _CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -155,7 +155,7 @@ class ConvRule(LayerRule):
                 psg = self._per_sample_weight(x[c], g[c], spec, weight.shape)
                 if c.start == 0 and c.stop == batch:
                     rec.cache["weight"] = psg  # reused by clipped_sums: no second convolution
-                out.append(psg.flatten(1).square().sum(1, dtype=torch.float64))
+                out.append(sq_norms_of(psg))
         return torch.cat(out) if out else g.new_zeros(0, dtype=torch.float64)
 
     def sq_norms(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
@@ -164,7 +164,7 @@ class ConvRule(LayerRule):
             if name == "weight":
                 out[name] = self._weight_sq_norms(rec)
             else:
-                out[name] = rec.grad_output.flatten(2).sum(2).square().sum(1, dtype=torch.float64)
+                out[name] = sq_norms_of(rec.grad_output.flatten(2).sum(2))
         return out
 
     def per_sample_grads(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
