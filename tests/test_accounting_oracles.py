@@ -48,7 +48,7 @@ def _grid(seed, n, q_range, sigma_range, steps_range, delta_range):
 
 
 RDP_GRID = _grid(11, 12, (1e-4, 0.3), (0.5, 10.0), (1, 100_000), (1e-10, 1e-3))
-PLD_GRID = _grid(23, 10, (1e-3, 0.3), (0.8, 6.0), (1, 3000), (1e-9, 1e-3))
+PLD_GRID = _grid(23, 10, (1e-3, 0.2), (0.8, 6.0), (1, 3000), (1e-9, 1e-3))
 
 
 def _dpa_rdp(q, sigma, steps, orders):
