@@ -49,7 +49,7 @@ def test_fashion_mnist_one_epoch_on_a_subset_learns(tmp_path, capsys):
 
 def test_digits_smoke_run(tmp_path):
     pytest.importorskip("sklearn", reason="--dataset digits needs scikit-learn (fastdp[data])")
-    m = _run(tmp_path, "--dataset", "digits", "--target-epsilon", "3", "--delta", "1e-5")
+    m = _run(tmp_path, "--dataset", "digits", "--target-epsilon", "3", "--delta", "1e-5", "--epochs", "5")
     assert set(m) == KEYS
     assert m["test_accuracy"] > 0.5
     _check_privacy(m, 3.0)
