@@ -34,6 +34,7 @@ def test_linear_both_routes(monkeypatch, route, seq):
 
     forced = lambda t, d, p: route == "ghost"  # noqa: E731
     monkeypatch.setattr(linear, "ghost_is_cheaper", forced)
+    monkeypatch.setattr(conv, "AUTOTUNE", False)
     monkeypatch.setattr(conv, "ghost_is_cheaper", forced)
     torch.manual_seed(seq)
     model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 4))
@@ -74,6 +75,7 @@ def test_conv_any_geometry(case):
 def test_conv_both_routes(monkeypatch, route, groups):
     import fastdp.layers.conv as conv
 
+    monkeypatch.setattr(conv, "AUTOTUNE", False)
     monkeypatch.setattr(conv, "ghost_is_cheaper", lambda t, d, p: route == "ghost")
     torch.manual_seed(groups)
     model = nn.Sequential(nn.Conv2d(4, 8, 3, stride=2, padding=1, groups=groups), nn.Tanh(),
@@ -124,3 +126,16 @@ def test_norm_layers(kind, batch, bias, seed):
     with torch.no_grad():
         model(x)  # materialise the lazy layer
     check_exact(model, [x])
+
+
+def test_conv_autotune_remembers_per_geometry_and_stays_exact(monkeypatch):
+    import fastdp.layers.conv as conv
+
+    monkeypatch.setattr(conv, "_FASTER_ROUTE", {})
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten())
+    for size in (6, 6, 9):  # the batch size does not enter the key; the image size does
+        check_exact(model, [torch.randn(2 + size % 2, 3, size, size)])
+    assert len(conv._FASTER_ROUTE) == 2
+    monkeypatch.setattr(conv, "_FASTER_ROUTE", {k: not v for k, v in conv._FASTER_ROUTE.items()})
+    check_exact(model, [torch.randn(3, 3, 9, 9)])  # the other route, same answer

@@ -17,17 +17,40 @@ summed; never as one dense matrix. Two routes, chosen per call by flops as for L
 from __future__ import annotations
 
 import math
+import time
 from typing import Dict, Iterable, List, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastdp import ops
 from fastdp.layers import register
 from fastdp.layers.base import LayerRule, Record, Tap, UnsupportedModuleError, batch_chunks, expand_like, sq_norms_of
-from fastdp.layers.linear import ghost_is_cheaper, sq_norms_3d
+from fastdp.layers.linear import ghost_is_cheaper
 
 _CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+
+
+# Which route is faster for convolutions is poorly predicted by flop counts (grouped
+# convolutions with many channels and few positions run far below peak), so the first
+# call with a new geometry times both routes and remembers the faster one. The key holds
+# every dimension except the batch (costs scale linearly in it): a new sequence or image
+# size is a new key, so no decision goes stale. AUTOTUNE=False uses ghost_is_cheaper.
+AUTOTUNE = True
+_FASTER_ROUTE: Dict[tuple, bool] = {}
+
+
+def _time_both_routes(key, ghost, direct, rec: Record) -> torch.Tensor:
+    start = time.perf_counter()
+    ghost_norms = ghost()
+    middle = time.perf_counter()
+    direct_norms = direct()
+    use_ghost = middle - start < time.perf_counter() - middle
+    _FASTER_ROUTE[key] = use_ghost
+    if use_ghost:
+        rec.cache.pop("weight", None)
+    return ghost_norms if use_ghost else direct_norms
 
 
 class ConvSpec:
@@ -38,6 +61,9 @@ class ConvSpec:
     def __init__(self, stride, padding, dilation, groups, kernel):
         self.stride, self.padding, self.dilation = list(stride), list(padding), list(dilation)
         self.groups, self.kernel = groups, list(kernel)
+
+    def key(self) -> tuple:
+        return (*self.stride, *self.padding, *self.dilation, self.groups, *self.kernel)
 
 
 def _convolution_backward(grad_out, x, weight_shape, spec: ConvSpec, groups, mask):
@@ -135,28 +161,45 @@ class ConvRule(LayerRule):
         )[1]
         return folded.view(batch, *weight_shape)
 
+    @staticmethod
+    def _ghost_sq_norms(x, g, spec: ConvSpec, d: int, p: int, seq: int) -> torch.Tensor:
+        """Unfold, then the Gram-matrix norm per group, summed over groups."""
+        groups, batch, out = spec.groups, x.shape[0], []
+        for c in batch_chunks(batch, groups * (d * seq + 2 * seq * seq)):
+            cols = _unfold(x[c].to(g.dtype), spec)  # (b, C_in * prod(k), T)
+            b = cols.shape[0]
+            a = cols.view(b * groups, d, seq).transpose(1, 2)
+            gg = g[c].reshape(b * groups, p, seq).transpose(1, 2)
+            out.append(ops.linear_sq_norms_ghost(a, gg).view(b, groups).sum(1))
+        return torch.cat(out)
+
+    def _direct_sq_norms(self, rec: Record, x, g, spec: ConvSpec, weight_shape) -> torch.Tensor:
+        """Instantiated per-sample gradients; kept for clipped_sums when the batch is one chunk."""
+        out = []
+        for c in batch_chunks(x.shape[0], math.prod(weight_shape)):
+            psg = self._per_sample_weight(x[c], g[c], spec, weight_shape)
+            if c.start == 0 and c.stop == x.shape[0]:
+                rec.cache["weight"] = psg  # reused by clipped_sums: no second convolution
+            out.append(sq_norms_of(psg))
+        return torch.cat(out)
+
     def _weight_sq_norms(self, rec: Record) -> torch.Tensor:
         x, spec, weight = self._shapes(rec)
         g = rec.grad_output
-        batch, groups = x.shape[0], spec.groups
+        if x.shape[0] == 0:
+            return g.new_zeros(0, dtype=torch.float64)
         seq = math.prod(g.shape[2:])
         d = weight.shape[1] * math.prod(spec.kernel)
-        p = weight.shape[0] // groups
-        out = []
-        if ghost_is_cheaper(seq, d, p):
-            for c in batch_chunks(batch, groups * (d * seq + 2 * seq * seq)):
-                cols = _unfold(x[c].to(g.dtype), spec)  # (b, C_in*k, T)
-                b = cols.shape[0]
-                a = cols.view(b * groups, d, seq).transpose(1, 2)
-                gg = g[c].reshape(b * groups, p, seq).transpose(1, 2)
-                out.append(sq_norms_3d(a, gg).view(b, groups).sum(1))
-        else:
-            for c in batch_chunks(batch, weight.numel()):
-                psg = self._per_sample_weight(x[c], g[c], spec, weight.shape)
-                if c.start == 0 and c.stop == batch:
-                    rec.cache["weight"] = psg  # reused by clipped_sums: no second convolution
-                out.append(sq_norms_of(psg))
-        return torch.cat(out) if out else g.new_zeros(0, dtype=torch.float64)
+        p = weight.shape[0] // spec.groups
+        ghost = lambda: self._ghost_sq_norms(x, g, spec, d, p, seq)  # noqa: E731
+        direct = lambda: self._direct_sq_norms(rec, x, g, spec, weight.shape)  # noqa: E731
+        if not AUTOTUNE:
+            return ghost() if ghost_is_cheaper(seq, d, p) else direct()
+        key = (tuple(x.shape[1:]), tuple(weight.shape), spec.key(), x.dtype, x.device.type)
+        use_ghost = _FASTER_ROUTE.get(key)
+        if use_ghost is None:
+            return _time_both_routes(key, ghost, direct, rec)
+        return ghost() if use_ghost else direct()
 
     def sq_norms(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
         out = {}
