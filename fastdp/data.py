@@ -178,12 +178,9 @@ def _loader_kwargs(data_loader: DataLoader) -> Dict[str, Any]:
     return kwargs
 
 
-def poisson_loader(data_loader: DataLoader, sample_rate: Optional[float] = None,
-                   steps: Optional[int] = None, seed: Optional[int] = None,
-                   secure_mode: bool = False) -> PoissonDataLoader:
-    """A loader over ``data_loader``'s dataset with Poisson batches of expected size
-    ``sample_rate * N`` (default rate: ``batch_size / N``); workers and collate are kept
-    (the collate is wrapped in :class:`EmptySafeCollate`)."""
+def dataset_and_rate(data_loader: DataLoader, sample_rate: Optional[float]):
+    """``(dataset, N, q)`` for a Poisson loader replacing ``data_loader``; q defaults to
+    ``batch_size / N``."""
     dataset = data_loader.dataset
     n = len(dataset)
     if n == 0:
@@ -192,6 +189,16 @@ def poisson_loader(data_loader: DataLoader, sample_rate: Optional[float] = None,
         if not data_loader.batch_size:
             raise ValueError("pass sample_rate: the data loader has no batch_size to derive it from")
         sample_rate = data_loader.batch_size / n
+    return dataset, n, sample_rate
+
+
+def poisson_loader(data_loader: DataLoader, sample_rate: Optional[float] = None,
+                   steps: Optional[int] = None, seed: Optional[int] = None,
+                   secure_mode: bool = False) -> PoissonDataLoader:
+    """A loader over ``data_loader``'s dataset with Poisson batches of expected size
+    ``sample_rate * N`` (default rate: ``batch_size / N``); workers and collate are kept
+    (the collate is wrapped in :class:`EmptySafeCollate`)."""
+    dataset, n, sample_rate = dataset_and_rate(data_loader, sample_rate)
     return PoissonDataLoader(
         dataset, PoissonBatchSampler(n, sample_rate, steps, seed, secure_mode),
         collate_fn=EmptySafeCollate(dataset, data_loader.collate_fn), **_loader_kwargs(data_loader),

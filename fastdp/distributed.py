@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from fastdp.data import EmptySafeCollate, PoissonBatchSampler, PoissonDataLoader, _loader_kwargs, uniform_subset
+from fastdp.data import (EmptySafeCollate, PoissonBatchSampler, PoissonDataLoader, _loader_kwargs,
+                         dataset_and_rate, uniform_subset)
 from fastdp.optimizer import DPOptimizer
 from fastdp.secure import os_entropy
 
@@ -83,14 +84,7 @@ def distributed_poisson_loader(data_loader: DataLoader, sample_rate: Optional[fl
     """This rank's Poisson loader over ``data_loader``'s (full) dataset. The default rate is
     ``batch_size / N``: ``batch_size`` is the GLOBAL expected batch size, each rank
     receiving about ``batch_size / world_size`` examples per step."""
-    dataset = data_loader.dataset
-    n = len(dataset)
-    if n == 0:
-        raise ValueError("the data loader's dataset is empty")
-    if sample_rate is None:
-        if not data_loader.batch_size:
-            raise ValueError("pass sample_rate: the data loader has no batch_size to derive it from")
-        sample_rate = data_loader.batch_size / n
+    dataset, n, sample_rate = dataset_and_rate(data_loader, sample_rate)
     sampler = DistributedPoissonBatchSampler(n, sample_rate, steps, seed, secure_mode, rank, world_size)
     return PoissonDataLoader(dataset, sampler, collate_fn=EmptySafeCollate(dataset, data_loader.collate_fn),
                              **_loader_kwargs(data_loader))

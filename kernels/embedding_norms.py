@@ -14,17 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _add(x, y):
-    return x + y
-
-
-@triton.jit
-def _total(x):
-    """Sum of all entries. Kernels here use Triton builtins only (tl.reduce, tl.full; not the
-    jit-defined tl.sum, tl.zeros), so they run under a TRITON_INTERPRET=1 set after import."""
-    return tl.reduce(tl.reshape(x, (x.numel,)), 0, _add)
+from kernels.reductions import block_sum
 
 
 @triton.jit
@@ -48,7 +38,7 @@ def _embedding_kernel(ids_sorted, order, g, partial, T, D, padding_idx, sgb, sgt
         run += row.to(ACC)
         prev = token
     total += (run * run).to(tl.float64)
-    tl.store(partial + i * tl.num_programs(1) + tile_d + tl.arange(0, 1), _total(total)[None])
+    tl.store(partial + i * tl.num_programs(1) + tile_d + tl.arange(0, 1), block_sum(total)[None])
 
 
 def embedding_sq_norms_triton(

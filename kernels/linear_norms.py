@@ -23,19 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.reductions import block_sum
+
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@triton.jit
-def _add(x, y):
-    return x + y
-
-
-@triton.jit
-def _total(x):
-    """Sum of all entries. Kernels here use Triton builtins only (tl.reduce, tl.full; not the
-    jit-defined tl.sum, tl.zeros), so they run under a TRITON_INTERPRET=1 set after import."""
-    return tl.reduce(tl.reshape(x, (x.numel,)), 0, _add)
 
 
 @triton.jit
@@ -68,7 +58,7 @@ def _ghost_kernel(a, g, partial, T, D, P, sab, sat, sad, sgb, sgt, sgp,
         gram_a = _gram_tile(a + i * sab, rows_s, rows_t, T, D, sat, sad, BLOCK_T, BLOCK_K, ACC, PRECISION, UPCAST)
         gram_g = _gram_tile(g + i * sgb, rows_s, rows_t, T, P, sgt, sgp, BLOCK_T, BLOCK_K, ACC, PRECISION, UPCAST)
         weight = tl.where(tile_t > tile_s, 2.0, 1.0)
-        total += weight * _total(gram_a * gram_g).to(tl.float64)
+        total += weight * block_sum(gram_a * gram_g).to(tl.float64)
     tl.store(partial + i * n_tiles + tile_s + tl.arange(0, 1), total)
 
 
@@ -93,7 +83,7 @@ def _direct_kernel(a, g, partial, T, D, P, sab, sat, sad, sgb, sgt, sgp,
                            input_precision=PRECISION, out_dtype=ACC)
         valid = (rows_p[:, None] < P) & (cols_d[None, :] < D)
         tile = tl.where(valid, tile, 0.0)
-        total += _total(tile * tile).to(tl.float64)
+        total += block_sum(tile * tile).to(tl.float64)
     tl.store(partial + i * tl.num_programs(1) + tile_p + tl.arange(0, 1), total)
 
 

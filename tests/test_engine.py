@@ -11,12 +11,7 @@ import fastdp
 from reference import examples, check_exact, fastdp_clipped_sum, max_rel_error, clipped_sum_reference, trainable_names
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+pytestmark = pytest.mark.usefixtures("float64")
 
 
 class TiedLM(nn.Module):

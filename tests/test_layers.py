@@ -9,12 +9,7 @@ from reference import examples, check_exact
 SETTINGS = settings(max_examples=examples(25), deadline=None)
 
 
-@pytest.fixture(autouse=True)
-def float64():
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(old)
+pytestmark = pytest.mark.usefixtures("float64")
 
 
 @SETTINGS
