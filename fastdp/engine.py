@@ -101,6 +101,7 @@ class GradSampleEngine:
         self._pending = []
 
     def _record(self, rec: Record) -> None:
+        rec.rule.prepare(rec)
         self._pending.append(rec)
         if not self._callback_queued:
             self._callback_queued = True
@@ -166,7 +167,7 @@ class GradSampleEngine:
     def _summed_per_sample(uses) -> torch.Tensor:
         total = None
         for rec, name in uses:
-            g = rec.rule.per_sample_grads(rec, [name])[name]
+            g = rec.rule.cached_grads(rec, [name])[name]
             total = g if total is None else total + g
         return total
 

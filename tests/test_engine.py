@@ -28,7 +28,7 @@ class TiedLM(nn.Module):
     def forward(self, ids):
         h = self.emb(ids)
         h = torch.tanh(self.block(h))
-        h = torch.tanh(self.block(h))  # same module twice
+        h = torch.tanh(self.block(self.norm(h)))  # same modules twice
         return self.head(self.norm(h))
 
 

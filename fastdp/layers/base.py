@@ -17,7 +17,7 @@ Gradients here are those of the loss as the user reduced it; the engine rescales
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, Tuple
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import torch
 from torch import nn
@@ -40,24 +40,32 @@ class Record:
     rule: "LayerRule"
     names: Tuple[str, ...]  # trainable parameters this call used
     activation: Any
-    grad_output: torch.Tensor
-    cache: Dict[str, torch.Tensor] = field(default_factory=dict)
-
-    @property
-    def batch_size(self) -> int:
-        return self.grad_output.shape[0]
+    grad_output: Optional[torch.Tensor]
+    batch_size: int = 0
+    cache: Dict[str, torch.Tensor] = field(default_factory=dict)  # per-sample grads (B, *shape)
+    norms: Dict[str, torch.Tensor] = field(default_factory=dict)  # squared norms found early
 
     def param(self, name: str) -> nn.Parameter:
         return getattr(self.module, name)
 
+    def release(self) -> None:
+        """Drop the activation and output gradient once everything needed is in ``cache``."""
+        self.activation = self.grad_output = None
+
     def zero_samples(self, mask: torch.Tensor) -> None:
         """Zero every per-sample tensor of the samples in boolean ``mask`` (dropped samples)."""
-        keep = (~mask).to(self.grad_output.dtype).view(-1, *([1] * (self.grad_output.dim() - 1)))
-        self.grad_output = torch.nan_to_num(self.grad_output * keep, 0.0, 0.0, 0.0)
-        if torch.is_floating_point(self.activation):
-            keep = keep.view(-1, *([1] * (self.activation.dim() - 1))).to(self.activation.dtype)
-            self.activation = torch.nan_to_num(self.activation * keep, 0.0, 0.0, 0.0)
-        self.cache = {k: torch.nan_to_num(v, 0.0, 0.0, 0.0) for k, v in self.cache.items()}
+        def zeroed(t):
+            if not (isinstance(t, torch.Tensor) and torch.is_floating_point(t)):
+                return t
+            keep = (~mask).to(t.dtype).view(-1, *([1] * (t.dim() - 1)))
+            return torch.nan_to_num(t * keep, 0.0, 0.0, 0.0)
+
+        self.grad_output = zeroed(self.grad_output)
+        if isinstance(self.activation, tuple):
+            self.activation = (zeroed(self.activation[0]), *self.activation[1:])
+        else:
+            self.activation = zeroed(self.activation)
+        self.cache = {k: zeroed(v) for k, v in self.cache.items()}
 
 
 class Tap:
@@ -71,7 +79,8 @@ class Tap:
     def fire(self, activation: Any, grad_output: torch.Tensor) -> None:
         """Hand over what backward saw; half-precision tensors are widened to float32 so that
         norms, coefficients and clipped sums all accumulate in float32 (mixed precision)."""
-        self.sink(Record(self.module, self.rule, self.names, _widen(activation), _widen(grad_output)))
+        self.sink(Record(self.module, self.rule, self.names, _widen(activation), _widen(grad_output),
+                         grad_output.shape[0]))
 
 
 def _widen(x: Any) -> Any:
@@ -101,20 +110,28 @@ class LayerRule:
     def forward(self, module: nn.Module, tap: Tap, *args, **kwargs) -> torch.Tensor:
         raise NotImplementedError
 
+    def prepare(self, rec: Record) -> None:
+        """Called as soon as the record arrives, during backward: a rule may instantiate what
+        it needs now and :meth:`Record.release` the large tensors early (peak memory)."""
+
+    def cached_grads(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
+        """Per-sample gradients of ``names``, instantiated once per record."""
+        missing = [n for n in names if n not in rec.cache]
+        if missing:
+            rec.cache.update(self.per_sample_grads(rec, missing))
+        return {n: rec.cache[n] for n in names}
+
     def sq_norms(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
-        """Default: instantiate (and keep, for :meth:`clipped_sums`) the per-sample gradients."""
-        grads = self.per_sample_grads(rec, names)
-        rec.cache.update(grads)
-        return {n: sq_norms_of(g) for n, g in grads.items()}
+        """Default: from the instantiated per-sample gradients."""
+        return {n: sq_norms_of(g) for n, g in self.cached_grads(rec, names).items()}
 
     def per_sample_grads(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
         raise NotImplementedError
 
     def clipped_sums(self, rec: Record, coefs: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """``sum_i coefs[name]_i * grad_i`` for each name in ``coefs`` (coefs: float64 ``(B,)``)."""
-        missing = [n for n in coefs if n not in rec.cache]
-        grads = {**rec.cache, **(self.per_sample_grads(rec, missing) if missing else {})}
-        return {n: torch.einsum("b,b...->...", coefs[n].to(grads[n].dtype), grads[n]) for n in coefs}
+        grads = self.cached_grads(rec, coefs.keys())
+        return {n: torch.einsum("b,b...->...", coefs[n].to(g.dtype), g) for n, g in grads.items()}
 
 
 def sq_norms_of(per_sample: torch.Tensor) -> torch.Tensor:

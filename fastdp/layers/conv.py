@@ -105,8 +105,11 @@ def _same_padding(module) -> Tuple[List[int], List[int]]:
 
 
 def _unfold(x: torch.Tensor, spec: ConvSpec) -> torch.Tensor:
-    """(B, C, *S) -> (B, C * prod(k), T): patches as columns, any spatial rank, via an identity conv."""
+    """(B, C, *S) -> (B, C * prod(k), T): patches as columns (im2col for 2-D, an identity
+    convolution for any spatial rank)."""
     batch, channels = x.shape[:2]
+    if len(spec.kernel) == 2:
+        return F.unfold(x, spec.kernel, spec.dilation, spec.padding, spec.stride)
     nk = math.prod(spec.kernel)
     eye = torch.eye(nk, dtype=x.dtype, device=x.device).view(nk, 1, *spec.kernel)
     cols = _CONV_FN[len(spec.kernel)](
@@ -201,13 +204,21 @@ class ConvRule(LayerRule):
             return _time_both_routes(key, ghost, direct, rec)
         return ghost() if use_ghost else direct()
 
+    def prepare(self, rec: Record) -> None:
+        """Find the weight norms during backward; where that instantiated the per-sample
+        gradients, keep only them (and the bias's) and free the input and output gradient."""
+        if "weight" in rec.names:
+            rec.norms["weight"] = self._weight_sq_norms(rec)
+            if "weight" not in rec.cache:
+                return  # ghost route: the clipped sum needs x and g
+        if "bias" in rec.names:
+            rec.cache["bias"] = rec.grad_output.flatten(2).sum(2)
+        rec.release()
+
     def sq_norms(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
         out = {}
         for name in names:
-            if name == "weight":
-                out[name] = self._weight_sq_norms(rec)
-            else:
-                out[name] = sq_norms_of(rec.grad_output.flatten(2).sum(2))
+            out[name] = rec.norms[name] if name in rec.norms else sq_norms_of(self.cached_grads(rec, [name])[name])
         return out
 
     def per_sample_grads(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
@@ -216,28 +227,24 @@ class ConvRule(LayerRule):
         out = {}
         for name in names:
             if name == "weight":
-                out[name] = rec.cache.get("weight")
-                if out[name] is None:
-                    out[name] = self._per_sample_weight(x, g, spec, weight.shape)
+                out[name] = self._per_sample_weight(x, g, spec, weight.shape)
             else:
                 out[name] = g.flatten(2).sum(2)
         return out
 
     def clipped_sums(self, rec: Record, coefs: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        x, spec, weight = self._shapes(rec)
-        g = rec.grad_output
         out = {}
-        if "weight" in coefs:
-            cached = rec.cache.get("weight")
-            if cached is not None:
-                out["weight"] = torch.einsum("b,b...->...", coefs["weight"].to(cached.dtype), cached)
-            else:
-                scaled = g * expand_like(coefs["weight"], g)
-                out["weight"] = _convolution_backward(
-                    scaled, x.to(g.dtype), weight.shape, spec, spec.groups, [False, True, False]
+        for name, coef in coefs.items():
+            if name in rec.cache or name == "bias":
+                per_sample = self.cached_grads(rec, [name])[name]
+                out[name] = torch.einsum("b,b...->...", coef.to(per_sample.dtype), per_sample)
+            else:  # ghost route: one weight-gradient convolution on coefficient-scaled g
+                x, spec, weight = self._shapes(rec)
+                g = rec.grad_output
+                out[name] = _convolution_backward(
+                    g * expand_like(coef, g), x.to(g.dtype), weight.shape, spec, spec.groups,
+                    [False, True, False],
                 )[1]
-        if "bias" in coefs:
-            out["bias"] = coefs["bias"].to(g.dtype) @ g.flatten(2).sum(2)
         return out
 
 

@@ -70,6 +70,11 @@ class _AffineNormRule(LayerRule):
         x_hat = self.normalize(module, x)
         return _AffineFn.apply(x_hat, module.weight, getattr(module, "bias", None), self.channel_dim, tap)
 
+    def prepare(self, rec: Record) -> None:
+        """Per-sample grads are small (B x C): take them now and free x_hat and g."""
+        self.cached_grads(rec, rec.names)
+        rec.release()
+
     def per_sample_grads(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
         x_hat, channel_dim = rec.activation
         g = rec.grad_output
