@@ -24,13 +24,10 @@ def test_linear_any_rank(batch, middle, d, p, bias, seed):
 @pytest.mark.parametrize("route", ["ghost", "direct"])
 @pytest.mark.parametrize("seq", [1, 3, 17])
 def test_linear_both_routes(monkeypatch, route, seq):
-    import fastdp.layers.conv as conv
     import fastdp.layers.linear as linear
 
     forced = lambda t, d, p: route == "ghost"  # noqa: E731
     monkeypatch.setattr(linear, "ghost_is_cheaper", forced)
-    monkeypatch.setattr(conv, "AUTOTUNE", False)
-    monkeypatch.setattr(conv, "ghost_is_cheaper", forced)
     torch.manual_seed(seq)
     model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 4))
     check_exact(model, [torch.randn(4, seq, 6)])
@@ -71,7 +68,7 @@ def test_conv_both_routes(monkeypatch, route, groups):
     import fastdp.layers.conv as conv
 
     monkeypatch.setattr(conv, "AUTOTUNE", False)
-    monkeypatch.setattr(conv, "ghost_is_cheaper", lambda t, d, p: route == "ghost")
+    monkeypatch.setattr(conv, "route_costs", lambda t, d, p: (0, 1) if route == "ghost" else (1, 0))
     torch.manual_seed(groups)
     model = nn.Sequential(nn.Conv2d(4, 8, 3, stride=2, padding=1, groups=groups), nn.Tanh(),
                           nn.Conv2d(8, 8, 3, groups=8), nn.Flatten())  # depthwise
@@ -127,6 +124,7 @@ def test_conv_autotune_remembers_per_geometry_and_stays_exact(monkeypatch):
     import fastdp.layers.conv as conv
 
     monkeypatch.setattr(conv, "_FASTER_ROUTE", {})
+    monkeypatch.setattr(conv, "AUTOTUNE_WITHIN", float("inf"))  # time every geometry
     torch.manual_seed(7)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten())
     for size in (6, 6, 9):  # the batch size does not enter the key; the image size does

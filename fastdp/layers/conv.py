@@ -27,30 +27,34 @@ from torch import nn
 from fastdp import ops
 from fastdp.layers import register
 from fastdp.layers.base import LayerRule, Record, Tap, UnsupportedModuleError, batch_chunks, expand_like, sq_norms_of
-from fastdp.layers.linear import ghost_is_cheaper
+from fastdp.layers.linear import route_costs
 
 _CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
-# Which route is faster for convolutions is poorly predicted by flop counts (grouped
-# convolutions with many channels and few positions run far below peak), so the first
-# call with a new geometry times both routes and remembers the faster one. The key holds
-# every dimension except the batch (costs scale linearly in it): a new sequence or image
-# size is a new key, so no decision goes stale. AUTOTUNE=False uses ghost_is_cheaper.
+# For convolutions the cost model is only a rough guide (grouped convolutions with many
+# channels and few positions run far below peak). Where its two estimates are within a
+# factor AUTOTUNE_WITHIN, the first call with a new geometry times both routes and
+# remembers the faster one. The key holds every dimension except the batch (costs scale
+# linearly in it): a new image size is a new key, so no decision goes stale.
+# AUTOTUNE=False always follows the cost model.
 AUTOTUNE = True
+AUTOTUNE_WITHIN = 4.0
 _FASTER_ROUTE: Dict[tuple, bool] = {}
 
 
 def _time_both_routes(key, ghost, direct, rec: Record) -> torch.Tensor:
-    start = time.perf_counter()
-    ghost_norms = ghost()
-    middle = time.perf_counter()
-    direct_norms = direct()
-    use_ghost = middle - start < time.perf_counter() - middle
+    """Run each route twice (the first run pays one-off allocations); keep the faster."""
+    best, results = {}, {}
+    for use_ghost, route in ((True, ghost), (False, direct)) * 2:
+        start = time.perf_counter()
+        results[use_ghost] = route()
+        best[use_ghost] = min(best.get(use_ghost, math.inf), time.perf_counter() - start)
+    use_ghost = best[True] < best[False]
     _FASTER_ROUTE[key] = use_ghost
     if use_ghost:
         rec.cache.pop("weight", None)
-    return ghost_norms if use_ghost else direct_norms
+    return results[use_ghost]
 
 
 class ConvSpec:
@@ -196,8 +200,9 @@ class ConvRule(LayerRule):
         p = weight.shape[0] // spec.groups
         ghost = lambda: self._ghost_sq_norms(x, g, spec, d, p, seq)  # noqa: E731
         direct = lambda: self._direct_sq_norms(rec, x, g, spec, weight.shape)  # noqa: E731
-        if not AUTOTUNE:
-            return ghost() if ghost_is_cheaper(seq, d, p) else direct()
+        ghost_cost, direct_cost = route_costs(seq, d, p)
+        if not AUTOTUNE or not 1 / AUTOTUNE_WITHIN < ghost_cost / direct_cost < AUTOTUNE_WITHIN:
+            return ghost() if ghost_cost < direct_cost else direct()
         key = (tuple(x.shape[1:]), tuple(weight.shape), spec.key(), x.dtype, x.device.type)
         use_ghost = _FASTER_ROUTE.get(key)
         if use_ghost is None:

@@ -44,11 +44,15 @@ class _LinearFn(torch.autograd.Function):
 MEMORY_WEIGHT = 16
 
 
+def route_costs(seq: int, d: int, p: int):
+    """Estimated (ghost, direct) cost of one per-sample norm: ghost ~T^2(d+p) flops and 2T^2
+    floats of Grams, direct ~T d p flops and d p floats of per-sample gradient."""
+    return seq * seq * (d + p + 2 * MEMORY_WEIGHT), d * p * (seq + MEMORY_WEIGHT)
+
+
 def ghost_is_cheaper(seq: int, d: int, p: int) -> bool:
-    """Cost rule for one per-sample norm: ghost ~T^2(d+p) flops and 2T^2 floats of Grams,
-    direct ~T d p flops and d p floats. Decided per call: T changes between batches."""
-    ghost = seq * seq * (d + p + 2 * MEMORY_WEIGHT)
-    direct = d * p * (seq + MEMORY_WEIGHT)
+    """Decided per call from the shapes: T changes between batches."""
+    ghost, direct = route_costs(seq, d, p)
     return ghost < direct
 
 
