@@ -8,7 +8,9 @@ reported as a ratio to the non-private step measured in the same run.
 Methods: ``nonprivate`` (plain autograd + SGD), ``fastdp-<backend>`` (one backward pass,
 ``FASTDP_BACKEND`` set in the subprocess), ``loop`` (one backward per sample, clip, sum,
 noise), ``vmap`` (``torch.func`` per-sample gradients), ``opacus-hooks`` and
-``opacus-ghost`` (Opacus' two-backward ghost clipping). All use sigma = 1, C = 1, SGD.
+``opacus-ghost`` (Opacus' two-backward ghost clipping), ``bf16-nonprivate`` and
+``bf16-fastdp`` (the step under bfloat16 autocast), ``ddp2-fastdp`` (two gloo processes on
+halves of the same global batch, ``DistributedDPOptimizer``). All use sigma = 1, C = 1, SGD.
 """
 from __future__ import annotations
 
@@ -183,7 +185,8 @@ CONFIGS: Dict[str, tuple] = {
 # ----------------------------------------------------------------------------- methods
 
 METHODS = ("nonprivate", "fastdp-reference", "fastdp-native", "fastdp-triton", "loop", "vmap",
-           "opacus-hooks", "opacus-ghost")
+           "opacus-hooks", "opacus-ghost", "bf16-nonprivate", "bf16-fastdp", "ddp2-fastdp")
+DDP_WORLD = 2
 _OPACUS_HINT = "Opacus is not installed: pip install 'fastdp[bench]' (opacus==1.6.0)"
 
 
@@ -271,9 +274,22 @@ def _opacus_ghost_step(model, x, y, crit, opt):
     return _plain_step(gsm, x, y, DPLossFastGradientClipping(gsm, dp, crit, "mean"), dp)
 
 
+def _bf16(builder):
+    """The same step under ``torch.autocast`` with bfloat16 (fastdp accumulates in float32)."""
+    def build(model, x, y, crit, opt):
+        step = builder(model, x, y, crit, opt)
+
+        def autocast_step():
+            with torch.autocast(x.device.type, dtype=torch.bfloat16):
+                step()
+        return autocast_step
+    return build
+
+
 _STEP_BUILDERS = {
     "nonprivate": _plain_step, "loop": _loop_step, "vmap": _vmap_step,
     "opacus-hooks": _opacus_hooks_step, "opacus-ghost": _opacus_ghost_step,
+    "bf16-nonprivate": _bf16(_plain_step), "bf16-fastdp": _bf16(_fastdp_step),
 }
 
 # ----------------------------------------------------------------------------- worker
@@ -323,6 +339,8 @@ class _OpsRecorder:
 def measure(config: str, method: str, quick: bool, device: str, min_time: float, budget: float,
             threads: int, clock: str = "wall") -> dict:
     """Build, warm up, time and measure one (config, method) in this process."""
+    if method.startswith("ddp"):
+        return _measure_ddp(config, quick, device, min_time, budget, threads, clock)
     torch.set_num_threads(threads)
     torch.manual_seed(SEED)
     model, x, y, per_sample = CONFIGS[config][0](quick)
@@ -331,7 +349,16 @@ def measure(config: str, method: str, quick: bool, device: str, min_time: float,
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     builder = _fastdp_step if method.startswith("fastdp-") else _STEP_BUILDERS[method]
     step = builder(model, x, y, crit, opt)
-    recorder = _OpsRecorder().install() if method.startswith("fastdp-") else None
+    recorder = _OpsRecorder().install() if "fastdp" in method else None
+    result = _time_steps(step, dev, quick, min_time, budget, clock)
+    if recorder is not None and "timeout" not in result:
+        result["ops"] = recorder.used
+    return result
+
+
+def _time_steps(step, dev: torch.device, quick: bool, min_time: float, budget: float,
+                clock: str) -> dict:
+    """Warm up, time steps until ``min_time`` (or the budget) and read the peak memory."""
     cuda = dev.type == "cuda"
 
     def sync():
@@ -380,9 +407,53 @@ def measure(config: str, method: str, quick: bool, device: str, min_time: float,
         "warmup_steps": warmup,
         "peak_mb": peak / 2**20 if reset else None,
     }
-    if recorder is not None:
-        result["ops"] = recorder.used
     return result
+
+
+def _ddp_rank(rank: int, port: int, config: str, quick: bool, min_time: float, budget: float,
+              threads: int, clock: str, out_path: str) -> None:
+    """One gloo rank: its slice of the global batch, DistributedDPOptimizer, timed steps."""
+    import torch.distributed as dist
+
+    from fastdp.distributed import DistributedDPOptimizer
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=DDP_WORLD)
+    try:
+        torch.set_num_threads(max(1, threads // DDP_WORLD))
+        torch.manual_seed(SEED)
+        model, x, y, per_sample = CONFIGS[config][0](quick)
+        opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+        dp = DistributedDPOptimizer(opt, module=model, noise_multiplier=NOISE_MULTIPLIER,
+                                    max_grad_norm=MAX_GRAD_NORM, expected_batch_size=x.shape[0], seed=SEED)
+        step = _plain_step(model, x[rank::DDP_WORLD], y[rank::DDP_WORLD], SampleLoss(per_sample), dp)
+        result = _time_steps(step, torch.device("cpu"), quick, min_time, budget, clock)
+        if rank == 0:
+            with open(out_path, "w") as f:
+                json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure_ddp(config, quick, device, min_time, budget, threads, clock) -> dict:
+    """fastdp data parallel on 2 CPU processes (gloo), each with half of the same global batch.
+    Time is rank 0's per global step; memory is rank 0's (each rank holds a model replica)."""
+    import socket
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    if device != "cpu":
+        return {"timeout": "the DDP row runs on CPU (gloo) only"}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "rank0.json")
+        mp.spawn(_ddp_rank, args=(port, config, quick, min_time, budget, threads, clock, out_path),
+                 nprocs=DDP_WORLD, join=True)
+        with open(out_path) as f:
+            return json.load(f)
 
 
 def _worker(argv: List[str]) -> int:
