@@ -7,12 +7,12 @@ import pytest
 from fastdp.cli import main
 
 CONFIGS = ("mlp", "wide-linear")
-METHODS = ("nonprivate", "fastdp-reference", "loop")
+METHODS = ("nonprivate", "fastdp-reference", "loop", "bf16-fastdp", "ddp2-fastdp")
 
 
 def test_bench_quick_json(tmp_path, capsys):
     out, md = tmp_path / "bench.json", tmp_path / "bench.md"
-    assert main(["bench", "--quick", "--configs", ",".join(CONFIGS), "--methods", "fastdp-reference,loop",
+    assert main(["bench", "--quick", "--configs", ",".join(CONFIGS), "--methods", ",".join(METHODS[1:]),
                  "--json", str(out), "--markdown", str(md)]) == 0
     data = json.loads(out.read_text())
     assert data["meta"]["quick"] is True and data["meta"]["memory_method"]
