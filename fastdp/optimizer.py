@@ -139,7 +139,7 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def epsilon(self, delta: float) -> float:
         """Privacy spent so far, from the attached accountant."""
-        if getattr(self, "accountant", None) is None:
+        if self.accountant is None:
             raise RuntimeError("no accountant attached: use fastdp.make_private or attach_accountant")
         return self.accountant.epsilon(delta)
 

@@ -129,3 +129,13 @@ def test_refusals():
     state["accountant"] = None
     with pytest.raises(ValueError, match="restart from zero"):
         checkpoint.load_state_dict(state, model=bare_model, optimizer=build()[1])
+
+
+@pytest.mark.parametrize("name", ["pld", "rdp"])
+def test_accountant_state_loads_with_weights_only(tmp_path, name):
+    acc = make_accountant(name)
+    acc.step(noise_multiplier=1.1, sample_rate=0.01, num_steps=50)
+    torch.save(acc.state_dict(), tmp_path / "acc.pt")
+    restored = make_accountant(name)
+    restored.load_state_dict(torch.load(tmp_path / "acc.pt", weights_only=True))
+    assert restored.epsilon(1e-5) == acc.epsilon(1e-5)

@@ -234,7 +234,7 @@ class RDPAccountant(Accountant):
         return self.epsilon_and_order(delta)[0]
 
     def _config(self) -> dict:
-        return {"orders": list(self.orders)}
+        return {"orders": [float(order) for order in self.orders]}  # plain floats: weights_only loads
 
     def _load_config(self, config: dict) -> None:
         config = dict(config)
