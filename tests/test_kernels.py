@@ -26,6 +26,7 @@ def _interpreted(name: str):
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
     try:
+        importlib.reload(importlib.import_module("kernels.reductions"))  # shared jit helpers first
         return importlib.reload(importlib.import_module(name))
     finally:
         if old is None:
