@@ -75,10 +75,20 @@ class GradSampleEngine:
 
     # -- hooks ---------------------------------------------------------------------------
     def _patch(self) -> None:
-        for module in self.module.modules():
+        for name, module in self.module.named_modules():
             rule = rule_for(module)
-            if rule is None or not rule.trainable(module) or "forward" in module.__dict__:
+            if rule is None or not rule.trainable(module):
                 continue
+            if "forward" in module.__dict__:
+                owner = getattr(module.forward, "fastdp_engine", None)
+                self.detach()
+                raise UnsupportedModuleError(
+                    f"module '{name or '<root>'}' ({type(module).__name__}) "
+                    + ("is already hooked by another fastdp optimizer; call .detach() on it first"
+                       if owner is not None else
+                       "has its forward replaced on the instance, which fastdp cannot hook; "
+                       "subclass the layer and register a rule instead")
+                )
             module.forward = self._hooked_forward(module, rule)
             self._patched.append(module)
 
@@ -91,6 +101,7 @@ class GradSampleEngine:
                 return plain(*args, **kwargs)
             return rule.forward(module, Tap(self._record, module, rule, names), *args, **kwargs)
 
+        forward.fastdp_engine = self
         return forward
 
     def detach(self) -> None:

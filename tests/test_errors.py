@@ -150,3 +150,12 @@ def test_empty_batch_still_steps_with_noise():
     loss.backward()
     opt.step()
     assert opt.steps == 1 and model[0].weight.grad.abs().sum() > 0  # noise was added
+
+
+def test_second_optimizer_on_a_hooked_module_is_refused():
+    model = nn.Sequential(nn.Linear(3, 2))
+    first = make(model)
+    with pytest.raises(fastdp.UnsupportedModuleError, match="already hooked.*detach"):
+        make(model)
+    first.detach()
+    make(model)  # fine once the first one let go
