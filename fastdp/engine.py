@@ -211,11 +211,11 @@ class GradSampleEngine:
         return (~finite).to(next(iter(sq_norms.values())).device)
 
     def _accumulate(self, p: torch.Tensor, s: torch.Tensor) -> None:
-        s = s.to(p.dtype).view_as(p)
+        s = s.to(p.dtype).view_as(p)  # rules return fresh tensors: no copy needed
         if p in self.summed:
             self.summed[p].add_(s)
         else:
-            self.summed[p] = s.clone() if s._base is not None else s
+            self.summed[p] = s
 
     def _module_name(self, module: nn.Module) -> str:
         for name, m in self.module.named_modules():
