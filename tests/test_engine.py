@@ -196,3 +196,28 @@ def test_lr_scheduler_and_state_dict_work():
     assert opt.param_groups[0]["lr"] == 0.25
     state = opt.state_dict()
     assert state["steps"] == 2 and state["optimizer"]["state"]
+
+
+def _saved_bytes(model, x):
+    """Bytes of the distinct storages autograd saves for backward during one forward."""
+    storages = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("make, shape", [(lambda: nn.GroupNorm(4, 8), (16, 8, 6, 6)),
+                                         (lambda: nn.LayerNorm(12), (16, 5, 12))])
+def test_fused_norm_layers_save_no_more_than_autograd(make, shape):
+    x = torch.randn(shape, requires_grad=True)
+    model = nn.Sequential(make())
+    plain = _saved_bytes(model, x)
+    opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), module=model,
+                             noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=1)
+    assert _saved_bytes(model, x) <= plain
+    opt.detach()

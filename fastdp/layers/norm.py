@@ -1,7 +1,9 @@
 """Normalisation layers with an elementwise affine: LayerNorm, RMSNorm, GroupNorm, InstanceNorm.
 
-The parameter-free normalisation runs in plain autograd; only the affine map
-``y = x_hat * weight + bias`` is hooked. Per-sample gradients are cheap to instantiate:
+LayerNorm and GroupNorm run fused (aten's native kernels, forward and input gradient); the
+normalised input ``x_hat`` is rebuilt in backward from the saved mean and reciprocal std.
+RMSNorm and InstanceNorm run the parameter-free normalisation in plain autograd and hook
+only the affine map ``y = x_hat * weight + bias``. Per-sample gradients are cheap to instantiate:
 weight: ``x_hat * g`` summed over the positions that share a weight entry; bias: ``g`` summed.
 
 * LayerNorm / RMSNorm: parameters cover the trailing ``normalized_shape`` dims;
@@ -86,8 +88,56 @@ class _AffineNormRule(LayerRule):
         return out
 
 
+class _FusedLayerNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, normalized_shape, eps, tap):
+        y, mean, rstd = torch.ops.aten.native_layer_norm(x, normalized_shape, weight, bias, eps)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        ctx.normalized_shape, ctx.tap = normalized_shape, tap
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        ctx.tap.fire(((x - mean) * rstd, False), grad_out)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.ops.aten.native_layer_norm_backward(
+                grad_out, x, ctx.normalized_shape, mean, rstd, weight, bias, [True, False, False])[0]
+        return grad_x, None, None, None, None, None
+
+
+class _FusedGroupNormFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, groups, eps, tap):
+        n, c = x.shape[:2]
+        hw = x[0, 0].numel()
+        y, mean, rstd = torch.ops.aten.native_group_norm(x, weight, bias, n, c, hw, groups, eps)
+        ctx.save_for_backward(x, weight, mean, rstd)
+        ctx.sizes, ctx.tap = (n, c, hw, groups), tap
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, mean, rstd = ctx.saved_tensors
+        n, c, hw, groups = ctx.sizes
+        x_hat = (x.reshape(n, groups, -1) - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
+        ctx.tap.fire((x_hat.view_as(x), True), grad_out)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.ops.aten.native_group_norm_backward(
+                grad_out.contiguous(), x, mean, rstd, weight, n, c, hw, groups, [True, False, False])[0]
+        return grad_x, None, None, None, None, None
+
+
 class LayerNormRule(_AffineNormRule):
     module_types = (nn.LayerNorm,)
+
+    def forward(self, module, tap: Tap, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() < 2 or x.shape[0] == 0 or torch.is_autocast_enabled(x.device.type):
+            return super().forward(module, tap, x)  # checks, empty batch, autocast: unfused path
+        return _FusedLayerNormFn.apply(x.contiguous(), module.weight, module.bias,
+                                       list(module.normalized_shape), module.eps, tap)
 
     def normalize(self, module, x):
         return F.layer_norm(x, module.normalized_shape, None, None, module.eps)
@@ -104,6 +154,12 @@ class RMSNormRule(_AffineNormRule):
 class GroupNormRule(_AffineNormRule):
     module_types = (nn.GroupNorm,)
     channel_dim = True
+
+    def forward(self, module, tap: Tap, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() < 2 or x.shape[0] == 0 or torch.is_autocast_enabled(x.device.type):
+            return super().forward(module, tap, x)  # checks, empty batch, autocast: unfused path
+        return _FusedGroupNormFn.apply(x.contiguous(), module.weight, module.bias, module.num_groups,
+                                       module.eps, tap)
 
     def normalize(self, module, x):
         return F.group_norm(x, module.num_groups, None, None, module.eps)
