@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from fastdp.layers import Record, Tap, UnsupportedModuleError, rule_for
-from fastdp.layers.base import sq_norms_of
+from fastdp.layers.base import sq_norms_of, weighted_sum
 from fastdp.validate import validate
 
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -171,7 +171,7 @@ class GradSampleEngine:
                 for name, s in sums.items():
                     self._accumulate(rec.param(name), s)
         for p, grads in shared.items():
-            self._accumulate(p, torch.einsum("b,b...->...", coefs[p].to(grads.dtype), grads))
+            self._accumulate(p, weighted_sum(coefs[p], grads))
         self.samples_seen += batch
 
     @staticmethod

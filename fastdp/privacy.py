@@ -34,7 +34,8 @@ def make_private(
     The sample rate is ``q = data_loader.batch_size / len(dataset)``; the expected batch
     size ``q N`` divides the noisy sum. Give either ``noise_multiplier`` or
     ``target_epsilon`` + ``target_delta`` + ``epochs`` (sigma is then calibrated with
-    ``accountant`` for ``ceil(epochs / q)`` steps). The returned optimizer carries the
+    ``accountant`` for ``ceil(epochs * round(1 / q))`` steps, the Poisson loader running
+    ``round(1 / q)`` steps per epoch). The returned optimizer carries the
     accountant: ``optimizer.accountant.epsilon(delta)`` or ``optimizer.epsilon(delta)``.
 
     ``poisson_sampling=False`` keeps the loader's shuffled fixed-size batches, which the

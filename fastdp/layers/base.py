@@ -122,8 +122,9 @@ class LayerRule:
         return {n: rec.cache[n] for n in names}
 
     def sq_norms(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
-        """Default: from the instantiated per-sample gradients."""
-        return {n: sq_norms_of(g) for n, g in self.cached_grads(rec, names).items()}
+        """Norms :meth:`prepare` already found, else from the instantiated per-sample gradients."""
+        return {n: rec.norms[n] if n in rec.norms else sq_norms_of(self.cached_grads(rec, [n])[n])
+                for n in names}
 
     def per_sample_grads(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
         raise NotImplementedError
@@ -131,12 +132,17 @@ class LayerRule:
     def clipped_sums(self, rec: Record, coefs: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
         """``sum_i coefs[name]_i * grad_i`` for each name in ``coefs`` (coefs: float64 ``(B,)``)."""
         grads = self.cached_grads(rec, coefs.keys())
-        return {n: torch.einsum("b,b...->...", coefs[n].to(g.dtype), g) for n, g in grads.items()}
+        return {n: weighted_sum(coefs[n], g) for n, g in grads.items()}
 
 
 def sq_norms_of(per_sample: torch.Tensor) -> torch.Tensor:
     """Squared L2 norm of each sample's slice of ``per_sample`` (B, ...), as float64 (B,)."""
     return sum_to_float64(per_sample.flatten(1).square(), 1)
+
+
+def weighted_sum(coef: torch.Tensor, per_sample: torch.Tensor) -> torch.Tensor:
+    """``sum_i coef_i * per_sample[i]`` for ``coef`` (B,) and ``per_sample`` (B, ...)."""
+    return torch.einsum("b,b...->...", coef.to(per_sample.dtype), per_sample)
 
 
 def batch_chunks(batch: int, per_sample_elements: int) -> Iterable[slice]:

@@ -26,7 +26,8 @@ from torch import nn
 
 from fastdp import ops
 from fastdp.layers import register
-from fastdp.layers.base import LayerRule, Record, Tap, UnsupportedModuleError, batch_chunks, expand_like, sq_norms_of
+from fastdp.layers.base import (LayerRule, Record, Tap, UnsupportedModuleError, batch_chunks, expand_like,
+                                sq_norms_of, weighted_sum)
 from fastdp.layers.linear import route_costs
 
 _CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -70,11 +71,13 @@ class ConvSpec:
         return (*self.stride, *self.padding, *self.dilation, self.groups, *self.kernel)
 
 
-def _convolution_backward(grad_out, x, weight_shape, spec: ConvSpec, groups, mask):
-    """aten's convolution backward; ``weight_shape`` only matters for the weight gradient's shape."""
-    dummy = grad_out.new_empty(1).expand(*weight_shape)
+def _convolution_backward(grad_out, x, weight, spec: ConvSpec, groups, mask):
+    """aten's convolution backward. ``weight``: a tensor, or only its shape where just the
+    weight gradient is asked for (its values are then never read)."""
+    if not isinstance(weight, torch.Tensor):
+        weight = grad_out.new_empty(1).expand(*weight)
     return torch.ops.aten.convolution_backward(
-        grad_out, x, dummy, None, spec.stride, spec.padding, spec.dilation,
+        grad_out, x, weight, None, spec.stride, spec.padding, spec.dilation,
         False, [0] * len(spec.stride), groups, mask,
     )
 
@@ -93,11 +96,8 @@ class _ConvFn(torch.autograd.Function):
         ctx.tap.fire((x, ctx.spec), grad_out)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            spec = ctx.spec
-            grad_x = torch.ops.aten.convolution_backward(
-                grad_out, x, weight.to(grad_out.dtype), None, spec.stride, spec.padding,
-                spec.dilation, False, [0] * len(spec.stride), spec.groups, [True, False, False],
-            )[0]
+            grad_x = _convolution_backward(grad_out, x, weight.to(grad_out.dtype), ctx.spec,
+                                           ctx.spec.groups, [True, False, False])[0]
         return grad_x, None, None, None, None
 
 
@@ -152,8 +152,7 @@ class ConvRule(LayerRule):
     @staticmethod
     def _shapes(rec: Record):
         x, spec = rec.activation
-        weight = rec.param("weight") if hasattr(rec.module, "weight") else None
-        return x, spec, weight
+        return x, spec, rec.param("weight")
 
     def _per_sample_weight(self, x, g, spec: ConvSpec, weight_shape) -> torch.Tensor:
         """(B, C_out, C_in/groups, *k) per-sample weight gradients via one grouped conv backward."""
@@ -217,14 +216,8 @@ class ConvRule(LayerRule):
             if "weight" not in rec.cache:
                 return  # ghost route: the clipped sum needs x and g
         if "bias" in rec.names:
-            rec.cache["bias"] = rec.grad_output.flatten(2).sum(2)
+            self.cached_grads(rec, ["bias"])
         rec.release()
-
-    def sq_norms(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
-        out = {}
-        for name in names:
-            out[name] = rec.norms[name] if name in rec.norms else sq_norms_of(self.cached_grads(rec, [name])[name])
-        return out
 
     def per_sample_grads(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
         x, spec, weight = self._shapes(rec)
@@ -241,8 +234,7 @@ class ConvRule(LayerRule):
         out = {}
         for name, coef in coefs.items():
             if name in rec.cache or name == "bias":
-                per_sample = self.cached_grads(rec, [name])[name]
-                out[name] = torch.einsum("b,b...->...", coef.to(per_sample.dtype), per_sample)
+                out[name] = weighted_sum(coef, self.cached_grads(rec, [name])[name])
             else:  # ghost route: one weight-gradient convolution on coefficient-scaled g
                 x, spec, weight = self._shapes(rec)
                 g = rec.grad_output

@@ -20,7 +20,8 @@ from torch import nn
 
 from fastdp import ops
 from fastdp.layers import register
-from fastdp.layers.base import LayerRule, Record, Tap, UnsupportedModuleError, batch_chunks, expand_like, sq_norms_of
+from fastdp.layers.base import (LayerRule, Record, Tap, UnsupportedModuleError, batch_chunks, expand_like,
+                                sq_norms_of, weighted_sum)
 
 
 class _LinearFn(torch.autograd.Function):
@@ -91,8 +92,8 @@ class LinearRule(LayerRule):
         for name in names:
             if name == "weight":
                 out[name] = sq_norms_3d(a, g)
-            else:
-                out[name] = sq_norms_of(g.sum(1))
+            else:  # the bias's per-sample gradients are small: keep them for clipped_sums
+                out[name] = sq_norms_of(self.cached_grads(rec, [name])[name])
         return out
 
     def per_sample_grads(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
@@ -112,7 +113,7 @@ class LinearRule(LayerRule):
             else:
                 out["weight"] = (g2 * c.to(g2.dtype)).t().mm(a2.to(g2.dtype))
         if "bias" in coefs:
-            out["bias"] = coefs["bias"].to(g.dtype) @ g.sum(1)
+            out["bias"] = weighted_sum(coefs["bias"], self.cached_grads(rec, ["bias"])["bias"])
         return out
 
 
