@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 PYTEST_ARGS ?=
 FMNIST_DIR ?= /usr/share/datasets/fashion-mnist
 
-.PHONY: demo test test-backends install fashion-mnist cuda-check bench clean
+.PHONY: demo test test-backends install fashion-mnist cuda-check cuda-lib bench clean
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,11 @@ cuda-check:
 	    nvcc -std=c++17 -O2 -arch=sm_90 -c $$f -o build/cuda/$$(basename $$f .cu).o || exit 1; \
 	  done && echo "cuda-check: compiled $$(ls csrc/*.cu | wc -l) CUDA source(s)"; \
 	else echo "cuda-check: skipped (no nvcc or no .cu sources)"; fi
+
+# The CUDA kernels as a shared library for fastdp/_cuda_ops.py (on a machine with a GPU).
+CUDA_ARCH ?= sm_90
+cuda-lib:
+	nvcc -std=c++17 -O3 -arch=$(CUDA_ARCH) -Xcompiler -fPIC -shared csrc/noise.cu -o fastdp/_cuda_noise.so
 
 bench: install
 	$(PY) -m fastdp bench

@@ -1,9 +1,11 @@
 """Kernel microbenchmarks: time of the PyTorch composite / time of the kernel, same math.
 
-    .venv/bin/python bench/kernels_table.py            # CPU: native kernels
-    .venv/bin/python bench/kernels_table.py --cuda     # GPU: Triton kernels (needs CUDA)
+    .venv/bin/python bench/kernels_table.py            # CPU: native (C++) kernels
+    .venv/bin/python bench/kernels_table.py --cuda     # GPU: Triton and CUDA C++ kernels
 
-A ratio above 1 means the kernel is faster. Best of ``--repeat`` runs after a warm-up.
+A ratio above 1 means the kernel is faster. CPU: best of ``--repeat`` runs after a
+warm-up. GPU: median of CUDA-event timings (``triton.testing.do_bench``). The "extra MiB"
+column (GPU only) is the peak memory a call allocates beyond its inputs, reference / kernel.
 """
 from __future__ import annotations
 
@@ -27,55 +29,91 @@ def best_ms(fn, repeat: int, sync) -> float:
     return 1e3 * min(times)
 
 
-def noise_rows(impl, device, repeat, sync):
-    for sizes in ([1 << 20], [1 << 23], [4096] * 256 + [1 << 20]):
+def cuda_ms(fn, repeat: int, sync) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=25, rep=max(100, 5 * repeat), return_mode="median")
+
+
+def extra_mib(fn, device) -> str:
+    """Peak memory allocated during ``fn()`` beyond what was allocated before (CUDA)."""
+    if device != "cuda":
+        return ""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return f"{(torch.cuda.max_memory_allocated() - base) / 2**20:.1f}"
+
+
+def noise_rows(impls, device, repeat, timer, sync):
+    for sizes in ([1 << 20], [1 << 23], [1 << 26], [4096] * 256 + [1 << 20]):
+        if device == "cpu" and sizes[0] == 1 << 26:
+            continue
         sums = [torch.randn(n, device=device) for n in sizes]
         outs = [torch.empty_like(s) for s in sums]
-        composite = lambda: [(s + torch.randn_like(s) * 1.3) / 7.0 for s in sums]
-        copy = lambda: [o.copy_(s) for o, s in zip(outs, sums)]
-        t_ref, t_copy = best_ms(composite, repeat, sync), best_ms(copy, repeat, sync)
-        t_k = best_ms(lambda: impl(sums, 1.3, 7.0, 11), repeat, sync)
-        label = f"noise {len(sizes)} tensors, {sum(sizes) / 1e6:.2f}M"
-        yield label, t_ref, t_k, f"kernel/copy {t_k / t_copy:.1f}"
+        composite = lambda: [(s + torch.randn_like(s) * 1.3) / 7.0 for s in sums]  # noqa: E731
+        copy = lambda: [o.copy_(s) for o, s in zip(outs, sums)]  # noqa: E731
+        t_ref, t_copy = timer(composite, repeat, sync), timer(copy, repeat, sync)
+        for name, impl in impls:
+            t_k = timer(lambda: impl(sums, 1.3, 7.0, 11), repeat, sync)
+            label = f"noise[{name}] {len(sizes)} tensors, {sum(sizes) / 1e6:.2f}M"
+            yield label, t_ref, t_k, f"kernel/copy {t_k / t_copy:.2f}"
 
 
-def norm_rows(impls, device, repeat, sync):
-    for dtype in (torch.float32,):
-        for b, t, d, p in ((32, 256, 256, 256), (16, 1024, 128, 128), (64, 64, 512, 512)):
+LINEAR_SHAPES = {
+    "cpu": ((32, 256, 256, 256), (16, 1024, 128, 128), (64, 64, 512, 512)),
+    "cuda": ((32, 256, 256, 256), (16, 1024, 128, 128), (64, 64, 512, 512), (32, 128, 768, 3072),
+             (8, 2048, 1024, 1024), (256, 49, 64, 128)),
+}
+
+
+def norm_rows(impls, device, repeat, timer, sync):
+    dtypes = (torch.float32, torch.bfloat16) if device == "cuda" else (torch.float32,)
+    for dtype in dtypes:
+        for b, t, d, p in LINEAR_SHAPES[device]:
             a = torch.randn(b, t, d, device=device, dtype=dtype)
             g = torch.randn(b, t, p, device=device, dtype=dtype)
             for op in ("linear_sq_norms_ghost", "linear_sq_norms_direct"):
                 if op in impls:
                     ref, fn = ops._REFERENCE[op], impls[op]
-                    yield (f"{op[16:]} B{b} T{t} d{d} p{p}", best_ms(lambda: ref(a, g), repeat, sync),
-                           best_ms(lambda: fn(a, g), repeat, sync), "")
+                    mem = extra_mib(lambda: ref(a, g), device), extra_mib(lambda: fn(a, g), device)
+                    yield (f"{op[16:]} {str(dtype)[6:]} B{b} T{t} d{d} p{p}", timer(lambda: ref(a, g), repeat, sync),
+                           timer(lambda: fn(a, g), repeat, sync), f"extra MiB {mem[0]} / {mem[1]}" if mem[0] else "")
     if "embedding_sq_norms" in impls:
         for b, t, dim, vocab in ((64, 128, 256, 1000), (32, 512, 768, 30000), (256, 64, 64, 50)):
             ids = torch.randint(0, vocab, (b, t), device=device)
             g = torch.randn(b, t, dim, device=device)
             ref, fn = ops._REFERENCE["embedding_sq_norms"], impls["embedding_sq_norms"]
-            yield (f"embedding B{b} T{t} D{dim} V{vocab}", best_ms(lambda: ref(ids, g, 0), repeat, sync),
-                   best_ms(lambda: fn(ids, g, 0), repeat, sync), "")
+            yield (f"embedding B{b} T{t} D{dim} V{vocab}", timer(lambda: ref(ids, g, 0), repeat, sync),
+                   timer(lambda: fn(ids, g, 0), repeat, sync), "")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cuda", action="store_true", help="time the Triton kernels on the GPU")
+    parser.add_argument("--cuda", action="store_true", help="time the Triton and CUDA C++ kernels on the GPU")
     parser.add_argument("--repeat", type=int, default=20)
     args = parser.parse_args()
     ops._load_backends()
+    registered = lambda backend, dev: {  # noqa: E731
+        op: fn for op, by in ops._REGISTRY.items() for (b, d), fn in by.items() if (b, d) == (backend, dev)}
     if args.cuda:
-        device, backend, sync = "cuda", "triton", torch.cuda.synchronize
+        device, backend, sync, timer = "cuda", "triton", torch.cuda.synchronize, cuda_ms
+        header = f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
     else:
-        device, backend, sync = "cpu", "native", lambda: None
-    impls = {op: fn for op, by in ops._REGISTRY.items() for (b, dev), fn in by.items() if (b, dev) == (backend, device)}
-    print(f"{backend} on {device}, torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"{'case':44s} {'torch ms':>9s} {'kernel ms':>9s} {'ratio':>6s}")
-    rows = list(norm_rows(impls, device, args.repeat, sync))
-    if "noisy_average" in impls:
-        rows += list(noise_rows(impls["noisy_average"], device, args.repeat, sync))
+        device, backend, sync, timer = "cpu", "native", (lambda: None), best_ms
+        header = f"CPU, torch {torch.__version__}, {torch.get_num_threads()} threads"
+    impls = registered(backend, device)
+    noise_impls = [(backend, impls["noisy_average"])] if "noisy_average" in impls else []
+    if args.cuda and "noisy_average" in registered("native", "cuda"):
+        noise_impls.append(("cuda-c++", registered("native", "cuda")["noisy_average"]))
+    print(f"{backend} kernels on {header}")
+    print(f"{'case':48s} {'torch ms':>9s} {'kernel ms':>9s} {'ratio':>6s}")
+    rows = list(norm_rows(impls, device, args.repeat, timer, sync))
+    rows += list(noise_rows(noise_impls, device, args.repeat, timer, sync))
     for label, t_ref, t_k, extra in rows:
-        print(f"{label:44s} {t_ref:9.3f} {t_k:9.3f} {t_ref / t_k:6.1f}  {extra}")
+        print(f"{label:48s} {t_ref:9.3f} {t_k:9.3f} {t_ref / t_k:6.2f}  {extra}", flush=True)
 
 
 if __name__ == "__main__":

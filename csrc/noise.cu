@@ -1,62 +1,79 @@
 // Fused DP noise on CUDA: dst = (src + std * z) / divisor for many tensors in one launch,
-// z from the Philox stream of philox.h (same numbers as the C++ and Triton kernels).
-// Plain CUDA, no torch headers; not bound to Python yet (see kernels/noise.py for the
-// Triton version the package uses on GPUs). Compiled by `make cuda-check`.
+// z from the Philox stream of philox.h (the same numbers as the C++ and Triton kernels).
+// Plain CUDA without torch headers, built into a shared library by `make cuda-lib` and
+// called through ctypes by fastdp/_cuda_ops.py.
 #include <cuda_runtime.h>
 
 #include "philox.h"
 
 namespace fastdp {
 
+// One tensor of a call, as laid out by fastdp/_cuda_ops.py: five int64 words.
 struct DeviceNoiseTensor {
-  const void* src;
-  void* dst;
+  int64_t src;          // device address of the float32/float64 input
+  int64_t dst;          // device address of the output (may equal src)
   int64_t numel;
-  uint32_t index;  // keys the tensor's noise stream
+  int64_t index;        // keys the tensor's noise stream
+  int64_t first_group;  // groups of 4*kGroup elements in all earlier tensors
 };
 
-// One block per group of 4*kGroup elements; thread j draws counter j of the group and
-// writes elements j, j + kGroup, j + 2 kGroup, j + 3 kGroup (coalesced).
+// Grid-stride over the groups of all tensors. A block of kGroup threads handles one group
+// at a time: thread j draws counter j of the group and writes elements j, j + kGroup,
+// j + 2 kGroup, j + 3 kGroup (coalesced). The tensor of a group is found by binary search
+// over first_group, so no per-block table is needed.
 template <typename T>
-__global__ void __launch_bounds__(kGroup) noisy_average_kernel(const DeviceNoiseTensor* tensors,
-                                                              const int32_t* block_tensor,
-                                                              const int64_t* block_group, uint32_t k0,
-                                                              uint32_t k1, T std, T divisor) {
-  const DeviceNoiseTensor t = tensors[block_tensor[blockIdx.x]];
-  const uint64_t c = static_cast<uint64_t>(block_group[blockIdx.x]) * kGroup + threadIdx.x;
-  uint32_t w0 = static_cast<uint32_t>(c), w1 = static_cast<uint32_t>(c >> 32), w2 = t.index, w3 = 0;
-  philox4x32_10(w0, w1, w2, w3, k0, k1);
-  float z[4];
-  box_muller(w0, w1, z[0], z[1]);
-  box_muller(w2, w3, z[2], z[3]);
-  const T* src = static_cast<const T*>(t.src);
-  T* dst = static_cast<T*>(t.dst);
-  const int64_t first = static_cast<int64_t>(block_group[blockIdx.x]) * 4 * kGroup + threadIdx.x;
+__global__ void __launch_bounds__(kGroup) noisy_average_kernel(const DeviceNoiseTensor* tensors, int n_tensors,
+                                                              int64_t total_groups, uint32_t k0, uint32_t k1,
+                                                              T std, T divisor) {
+  for (int64_t group = blockIdx.x; group < total_groups; group += gridDim.x) {
+    int lo = 0, hi = n_tensors - 1;
+    while (lo < hi) {  // last tensor whose first_group <= group
+      const int mid = (lo + hi + 1) / 2;
+      if (tensors[mid].first_group <= group) lo = mid; else hi = mid - 1;
+    }
+    const DeviceNoiseTensor t = tensors[lo];
+    const int64_t local = group - t.first_group;
+    const uint64_t c = static_cast<uint64_t>(local) * kGroup + threadIdx.x;
+    uint32_t w0 = static_cast<uint32_t>(c), w1 = static_cast<uint32_t>(c >> 32);
+    uint32_t w2 = static_cast<uint32_t>(t.index), w3 = 0;
+    philox4x32_10(w0, w1, w2, w3, k0, k1);
+    float z[4];
+    box_muller(w0, w1, z[0], z[1]);
+    box_muller(w2, w3, z[2], z[3]);
+    const T* src = reinterpret_cast<const T*>(t.src);
+    T* dst = reinterpret_cast<T*>(t.dst);
+    const int64_t first = local * 4 * kGroup + threadIdx.x;
 #pragma unroll
-  for (int lane = 0; lane < 4; ++lane) {
-    const int64_t e = first + lane * kGroup;
-    if (e < t.numel) dst[e] = (src[e] + std * static_cast<T>(z[lane])) / divisor;
+    for (int lane = 0; lane < 4; ++lane) {
+      const int64_t e = first + lane * kGroup;
+      if (e < t.numel) dst[e] = (src[e] + std * static_cast<T>(z[lane])) / divisor;
+    }
   }
+}
+
+template <typename T>
+cudaError_t launch(const DeviceNoiseTensor* tensors, int n_tensors, int64_t total_groups, int max_blocks,
+                   uint64_t seed, double std, double divisor, cudaStream_t stream) {
+  if (n_tensors <= 0 || total_groups <= 0) return cudaSuccess;
+  const int blocks = static_cast<int>(total_groups < max_blocks ? total_groups : max_blocks);
+  noisy_average_kernel<T><<<blocks, kGroup, 0, stream>>>(tensors, n_tensors, total_groups,
+                                                         static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32),
+                                                         static_cast<T>(std), static_cast<T>(divisor));
+  return cudaGetLastError();
 }
 
 }  // namespace fastdp
 
-// Host launchers. All pointers are device pointers; block_tensor / block_group list, for
-// each of n_blocks blocks, the tensor it works on and its group within that tensor.
-extern "C" cudaError_t fastdp_noisy_average_f32(const fastdp::DeviceNoiseTensor* tensors, const int32_t* block_tensor,
-                                                const int64_t* block_group, int n_blocks, uint64_t seed, float std,
-                                                float divisor, cudaStream_t stream) {
-  fastdp::noisy_average_kernel<float><<<n_blocks, fastdp::kGroup, 0, stream>>>(
-      tensors, block_tensor, block_group, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32), std,
-      divisor);
-  return cudaGetLastError();
+// Host launcher. `tensors` is a device array of n_tensors entries of one dtype
+// (is_double: float64, else float32); total_groups = sum of ceil(numel / (4 * kGroup)).
+// Returns the launch's CUDA error code (0 on success).
+extern "C" int fastdp_noisy_average(const void* tensors, int n_tensors, int64_t total_groups, int max_blocks,
+                                    int is_double, uint64_t seed, double std, double divisor, void* stream) {
+  const auto* t = static_cast<const fastdp::DeviceNoiseTensor*>(tensors);
+  const auto s = static_cast<cudaStream_t>(stream);
+  return is_double ? fastdp::launch<double>(t, n_tensors, total_groups, max_blocks, seed, std, divisor, s)
+                   : fastdp::launch<float>(t, n_tensors, total_groups, max_blocks, seed, std, divisor, s);
 }
 
-extern "C" cudaError_t fastdp_noisy_average_f64(const fastdp::DeviceNoiseTensor* tensors, const int32_t* block_tensor,
-                                                const int64_t* block_group, int n_blocks, uint64_t seed, double std,
-                                                double divisor, cudaStream_t stream) {
-  fastdp::noisy_average_kernel<double><<<n_blocks, fastdp::kGroup, 0, stream>>>(
-      tensors, block_tensor, block_group, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32), std,
-      divisor);
-  return cudaGetLastError();
-}
+// The group size the launcher assumes (the Python side checks it against kernels/noise.py).
+extern "C" int fastdp_noise_group() { return fastdp::kGroup; }

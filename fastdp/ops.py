@@ -8,8 +8,9 @@ Backend choice, per call, by the tensor's device:
 
 * ``FASTDP_BACKEND=reference`` forces the references (tests, bisecting);
 * ``FASTDP_BACKEND=native`` / ``triton`` prefers that backend where it has the op;
-* unset (``auto``): CUDA tensors use ``triton``, then ``native``; CPU tensors use
-  ``native``; anything missing falls back to the reference.
+* unset (``auto``): CUDA tensors use ``triton``, then ``native`` (CUDA C++ through
+  ``fastdp._cuda_ops``); CPU tensors use ``native`` (C++ in ``fastdp._C``); anything
+  missing, or registered ``auto=False``, falls back to the reference.
 
 Conventions shared by all implementations:
 
@@ -31,7 +32,7 @@ BACKENDS = ("reference", "native", "triton")
 _REGISTRY: Dict[str, Dict[Tuple[str, str], Callable]] = {}
 _FORCED_ONLY: set = set()  # (op, backend, device_type) used only when FASTDP_BACKEND names it
 _AUTO_ORDER = {"cuda": ("triton", "native"), "cpu": ("native",)}
-_BACKEND_MODULES = {"native": "fastdp._native_ops", "triton": "kernels.dispatch"}
+_BACKEND_MODULES = {"native": ("fastdp._native_ops", "fastdp._cuda_ops"), "triton": ("kernels.dispatch",)}
 
 
 def register(op: str, backend: str, device_type: str, auto: bool = True):
@@ -74,17 +75,18 @@ def _load_backends() -> None:
         return
     _backends_loaded = True
     forced = selected_backend()
-    for backend, module in _BACKEND_MODULES.items():
-        try:
-            __import__(module)
-        except Exception as exc:  # a missing or broken optional backend is not fatal
-            if backend == forced:  # one warning, for the backend asked for only
-                warnings.warn(
-                    f"fastdp: FASTDP_BACKEND={forced} but {module} is unavailable "
-                    f"({type(exc).__name__}: {exc}); using the PyTorch references",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
+    for backend, modules in _BACKEND_MODULES.items():
+        for module in modules:
+            try:
+                __import__(module)
+            except Exception as exc:  # a missing or broken optional backend is not fatal
+                if backend == forced:  # one warning, for the backend asked for only
+                    warnings.warn(
+                        f"fastdp: FASTDP_BACKEND={forced} but {module} is unavailable "
+                        f"({type(exc).__name__}: {exc}); using the PyTorch references",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
 
 
 def implementation(op: str, device: torch.device) -> Tuple[str, Callable]:

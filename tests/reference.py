@@ -105,7 +105,7 @@ def check_exact(model: nn.Module, inputs, out_shape_fn: Callable = None, tol=1e-
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         out = model(*inputs)
-    weights = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    weights = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(out.device)
     params = trainable_names(model)
     probe, sq = clipped_sum_reference(model, inputs, weights, 1.0, params)
     total = torch.stack(list(sq.values())).sum(0).sqrt()

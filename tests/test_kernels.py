@@ -20,6 +20,10 @@ from fastdp import ops
 native = pytest.importorskip("fastdp._native_ops", reason="native extension not built")
 
 
+CUDA = torch.cuda.is_available()
+TRITON_DEVICE = "cuda" if CUDA else "cpu"  # Triton compiled for the GPU, else interpreted on CPU
+
+
 def _interpreted(name: str):
     """Import (or re-import) a Triton kernel module with TRITON_INTERPRET=1, for CPU tensors."""
     pytest.importorskip("triton")
@@ -37,7 +41,23 @@ def _interpreted(name: str):
 
 @pytest.fixture(scope="module")
 def tri():
-    return {name: _interpreted(f"kernels.{name}") for name in ("noise", "linear_norms", "embedding_norms")}
+    """The Triton kernel modules: compiled where a GPU is present, else under the interpreter."""
+    names = ("noise", "linear_norms", "embedding_norms")
+    if CUDA:
+        pytest.importorskip("triton")
+        return {name: importlib.import_module(f"kernels.{name}") for name in names}
+    return {name: _interpreted(f"kernels.{name}") for name in names}
+
+
+def on_triton_device(*tensors):
+    return [t.to(TRITON_DEVICE) for t in tensors]
+
+
+def cuda_native():
+    """The CUDA C++ noise kernel (fastdp._cuda_ops) where a GPU and the built library exist."""
+    if not CUDA:
+        return None
+    return importlib.import_module("fastdp._cuda_ops").noisy_average
 
 
 noise_ref = importlib.import_module("kernels.noise") if importlib.util.find_spec("triton") else None
@@ -96,7 +116,11 @@ def test_noise_kernels_match_stream_reference(tri, sizes, dtype, seed, std, divi
     sums = [torch.randn(n, dtype=torch.float64).to(dtype) for n in sizes]
     ref = noise_ref.noisy_average_philox_ref(sums, std, divisor, seed)
     tol = 1e-2 if dtype == torch.bfloat16 else 2e-6
-    for impl in (native.noisy_average, tri["noise"].noisy_average_triton):
+    on_device = lambda impl: lambda xs, *args: [o.cpu() for o in impl(on_triton_device(*xs), *args)]  # noqa: E731
+    impls = [native.noisy_average, on_device(tri["noise"].noisy_average_triton)]
+    if cuda_native():
+        impls.append(on_device(cuda_native()))
+    for impl in impls:
         out = impl(sums, std, divisor, seed)
         for o, r, s in zip(out, ref, sums):
             assert o.dtype == s.dtype and o.shape == s.shape
@@ -179,18 +203,20 @@ def test_linear_norm_kernels(tri, batch, seq, d, p, dtype, strided):
     exact = ops.linear_sq_norms_direct_ref(a.double(), g.double())
     ln = tri["linear_norms"]
     tol = 1e-12 if dtype == torch.float64 else 2e-6
+    a, g = on_triton_device(a, g)
     for out in (ln.linear_sq_norms_ghost_triton(a, g, block_t=16, block_k=16),
                 ln.linear_sq_norms_direct_triton(a, g, block_p=16, block_d=16, block_t=16)):
         assert out.dtype == torch.float64 and out.shape == (batch,)
-        assert rel_err(out, exact) < tol
+        assert rel_err(out.cpu(), exact) < tol
 
 
 def test_linear_norm_kernels_large_batch_and_default_blocks(tri):
     a, g = _linear_inputs(64, 5, 7, 3, torch.float32, False)
     exact = ops.linear_sq_norms_direct_ref(a.double(), g.double())
     ln = tri["linear_norms"]
-    assert rel_err(ln.linear_sq_norms_ghost_triton(a, g), exact) < 2e-6
-    assert rel_err(ln.linear_sq_norms_direct_triton(a, g), exact) < 2e-6
+    a, g = on_triton_device(a, g)
+    assert rel_err(ln.linear_sq_norms_ghost_triton(a, g).cpu(), exact) < 2e-6
+    assert rel_err(ln.linear_sq_norms_direct_triton(a, g).cpu(), exact) < 2e-6
     empty = a[:0]
     assert ln.linear_sq_norms_ghost_triton(empty, g[:0]).shape == (0,)
 
@@ -204,7 +230,7 @@ def test_embedding_norm_kernels(tri, batch, seq, dim, vocab, padding, dtype):
     exact = ops.embedding_sq_norms_ref(ids, g.double(), padding)
     tol = 1e-12 if dtype == torch.float64 else 2e-6
     for out in (native.embedding_sq_norms(ids, g, padding),
-                tri["embedding_norms"].embedding_sq_norms_triton(ids, g, padding, block_d=32)):
+                tri["embedding_norms"].embedding_sq_norms_triton(*on_triton_device(ids, g), padding, block_d=32).cpu()):
         assert out.dtype == torch.float64 and out.shape == (batch,)
         torch.testing.assert_close(out, exact, rtol=tol, atol=1e-300)
 
@@ -227,7 +253,7 @@ def test_forced_missing_backend_warns_once(monkeypatch):
     """A forced backend that cannot be imported: one warning, then the references."""
     monkeypatch.setenv("FASTDP_BACKEND", "native")
     monkeypatch.setattr(ops, "_backends_loaded", False)
-    monkeypatch.setattr(ops, "_BACKEND_MODULES", {"native": "fastdp._no_such_ext", "triton": "kernels._nope"})
+    monkeypatch.setattr(ops, "_BACKEND_MODULES", {"native": ("fastdp._no_such_ext",), "triton": ("kernels._nope",)})
     monkeypatch.setattr(ops, "_REGISTRY", {})
     a, g = torch.randn(2, 3, 4), torch.randn(2, 3, 5)
     with warnings.catch_warnings(record=True) as caught:
@@ -236,3 +262,44 @@ def test_forced_missing_backend_warns_once(monkeypatch):
         ops.noisy_average([a], 1.0, 1.0, 0)
     assert len(caught) == 1 and "FASTDP_BACKEND=native" in str(caught[0].message)
     torch.testing.assert_close(out, ops.linear_sq_norms_ghost_ref(a, g))
+
+
+# --------------------------------------------------------------------------- GPU only
+
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")
+
+
+@gpu
+@pytest.mark.parametrize("shape", [(64, 200, 300, 129), (3, 1000, 64, 700), (512, 16, 784, 10)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_linear_norm_kernels_realistic_shapes_on_gpu(tri, shape, dtype):
+    """Default tile sizes at sizes the engine meets; float32 needs ~1e-5 (no TF32)."""
+    a, g = _linear_inputs(*shape, dtype, False)
+    exact = ops.linear_sq_norms_direct_ref(a.double(), g.double())
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-4}[dtype]
+    ln = tri["linear_norms"]
+    a, g = on_triton_device(a, g)
+    assert rel_err(ln.linear_sq_norms_ghost_triton(a, g).cpu(), exact) < tol
+    assert rel_err(ln.linear_sq_norms_direct_triton(a, g).cpu(), exact) < tol
+
+
+@gpu
+def test_gpu_noise_kernels_match_stream_at_scale(tri):
+    """Millions of elements over 300 tensors: same numbers as the CPU kernel, on every element."""
+    gen = torch.Generator().manual_seed(5)
+    sizes = [1 << 22] + torch.randint(1, 5000, (299,), generator=gen).tolist()
+    sums = [torch.randn(n, generator=gen) for n in sizes]
+    want = native.noisy_average(sums, 1.7, 3.0, 2**63 + 9)
+    for impl in (tri["noise"].noisy_average_triton, cuda_native()):
+        got = impl(on_triton_device(*sums), 1.7, 3.0, 2**63 + 9)
+        for o, w in zip(got, want):
+            torch.testing.assert_close(o.cpu(), w, rtol=2e-6, atol=2e-6)
+
+
+@gpu
+def test_cuda_dispatch_and_forced_backends(monkeypatch):
+    monkeypatch.setenv("FASTDP_BACKEND", "native")
+    assert ops.implementation("noisy_average", torch.device("cuda"))[0] == "native"
+    monkeypatch.setenv("FASTDP_BACKEND", "triton")
+    for op in ("noisy_average", "linear_sq_norms_ghost", "linear_sq_norms_direct", "embedding_sq_norms"):
+        assert ops.implementation(op, torch.device("cuda"))[0] == "triton"

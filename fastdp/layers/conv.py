@@ -48,14 +48,22 @@ def _time_both_routes(key, ghost, direct, rec: Record) -> torch.Tensor:
     """Run each route twice (the first run pays one-off allocations); keep the faster."""
     best, results = {}, {}
     for use_ghost, route in ((True, ghost), (False, direct)) * 2:
+        _wait_for_device(rec)
         start = time.perf_counter()
         results[use_ghost] = route()
+        _wait_for_device(rec)
         best[use_ghost] = min(best.get(use_ghost, math.inf), time.perf_counter() - start)
     use_ghost = best[True] < best[False]
     _FASTER_ROUTE[key] = use_ghost
     if use_ghost:
         rec.cache.pop("weight", None)
     return results[use_ghost]
+
+
+def _wait_for_device(rec: Record) -> None:
+    """Wait for queued GPU work, so a host clock times the kernels rather than their launch."""
+    if rec.grad_output is not None and rec.grad_output.is_cuda:
+        torch.cuda.synchronize(rec.grad_output.device)
 
 
 class ConvSpec:
