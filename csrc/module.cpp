@@ -1,5 +1,5 @@
 // Python bindings of the fastdp native extension (fastdp._C).
-// Kernels take NumPy views of contiguous CPU tensors (no torch headers needed).
+// Kernels take NumPy views of CPU tensors (no torch headers needed).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "embedding_norms.h"
+#include "linear_norms.h"
 #include "noise.h"
 
 namespace py = pybind11;
@@ -50,6 +51,28 @@ void embedding_sq_norms_t(const py::array_t<int64_t, py::array::c_style>& ids,
   fastdp::embedding_sq_norms<T>(ids_p, g_p, g.shape(0), g.shape(1), g.shape(2), has_padding, padding_idx, out_p);
 }
 
+// A (B, T, K) NumPy array of F as a strided view (strides in elements; any layout).
+template <typename F>
+fastdp::Strided3<F> strided3(const py::array_t<F>& x) {
+  return {x.data(), x.shape(0), x.shape(1), x.shape(2), static_cast<int64_t>(x.strides(0) / sizeof(F)),
+          static_cast<int64_t>(x.strides(1) / sizeof(F)), static_cast<int64_t>(x.strides(2) / sizeof(F))};
+}
+
+template <typename F, void (*kernel)(const fastdp::Strided3<F>&, const fastdp::Strided3<F>&, double*)>
+void linear_sq_norms_t(const py::array_t<F>& a, const py::array_t<F>& g, py::array_t<double, py::array::c_style>& out) {
+  if (a.ndim() != 3 || g.ndim() != 3 || g.shape(0) != a.shape(0) || g.shape(1) != a.shape(1) || out.ndim() != 1 ||
+      out.shape(0) != a.shape(0))
+    throw std::invalid_argument("expected a (B, T, d), g (B, T, p), out (B,)");
+  for (const py::array* x : {static_cast<const py::array*>(&a), static_cast<const py::array*>(&g)})
+    for (int k = 0; k < 3; ++k)
+      if (x->strides(k) < 0 || x->strides(k) % static_cast<py::ssize_t>(sizeof(F)) != 0)
+        throw std::invalid_argument("a and g need non-negative strides in whole elements");
+  const auto av = strided3(a), gv = strided3(g);
+  double* out_p = out.mutable_data();
+  py::gil_scoped_release release;
+  kernel(av, gv, out_p);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -63,4 +86,16 @@ PYBIND11_MODULE(_C, m) {
         py::arg("has_padding"), py::arg("padding_idx"), py::arg("out").noconvert(), emb_doc);
   m.def("embedding_sq_norms", &embedding_sq_norms_t<double>, py::arg("ids"), py::arg("g").noconvert(),
         py::arg("has_padding"), py::arg("padding_idx"), py::arg("out").noconvert(), emb_doc);
+  const char* ghost_doc =
+      "out[i] = ||g_i^T a_i||_F^2 from tiled Gram matrices (a (B,T,d), g (B,T,p), any strides; out (B,) float64).";
+  m.def("linear_sq_norms_ghost", &linear_sq_norms_t<float, fastdp::linear_sq_norms_ghost<float>>, py::arg("a").noconvert(),
+        py::arg("g").noconvert(), py::arg("out").noconvert(), ghost_doc);
+  m.def("linear_sq_norms_ghost", &linear_sq_norms_t<double, fastdp::linear_sq_norms_ghost<double>>,
+        py::arg("a").noconvert(), py::arg("g").noconvert(), py::arg("out").noconvert(), ghost_doc);
+  const char* direct_doc =
+      "out[i] = ||g_i^T a_i||_F^2 from tiles of g_i^T a_i (a (B,T,d), g (B,T,p), any strides; out (B,) float64).";
+  m.def("linear_sq_norms_direct", &linear_sq_norms_t<float, fastdp::linear_sq_norms_direct<float>>,
+        py::arg("a").noconvert(), py::arg("g").noconvert(), py::arg("out").noconvert(), direct_doc);
+  m.def("linear_sq_norms_direct", &linear_sq_norms_t<double, fastdp::linear_sq_norms_direct<double>>,
+        py::arg("a").noconvert(), py::arg("g").noconvert(), py::arg("out").noconvert(), direct_doc);
 }

@@ -43,3 +43,29 @@ def embedding_sq_norms(ids: torch.Tensor, g: torch.Tensor, padding_idx) -> torch
     _C.embedding_sq_norms(ids.detach().to(torch.int64).contiguous().numpy(), g.numpy(),
                           padding_idx is not None, -1 if padding_idx is None else int(padding_idx), out.numpy())
     return out
+
+
+def _linear_operands(a: torch.Tensor, g: torch.Tensor):
+    """``a``, ``g`` detached in one float32/float64 dtype, strides kept (the kernels read any
+    layout, so no contiguous copy), and the float64 ``(B,)`` output."""
+    dtype = torch.promote_types(a.dtype, g.dtype)
+    if dtype not in _NATIVE_FLOATS:
+        dtype = torch.float32
+    a, g = a.detach().to(dtype), g.detach().to(dtype)
+    return a.numpy(), g.numpy(), torch.empty(a.shape[0], dtype=torch.float64)
+
+
+@ops.register("linear_sq_norms_ghost", "native", "cpu", auto=False)
+def linear_sq_norms_ghost(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Tiled ghost norm: 64 x 64 Gram tiles of the upper triangle, multiplied and reduced at once."""
+    a_np, g_np, out = _linear_operands(a, g)
+    _C.linear_sq_norms_ghost(a_np, g_np, out.numpy())
+    return out
+
+
+@ops.register("linear_sq_norms_direct", "native", "cpu", auto=False)
+def linear_sq_norms_direct(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Tiled ``g_i^T a_i``: 64 x 64 tiles accumulated over T and square-summed at once."""
+    a_np, g_np, out = _linear_operands(a, g)
+    _C.linear_sq_norms_direct(a_np, g_np, out.numpy())
+    return out
