@@ -4,85 +4,90 @@
 #include "noise.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <vector>
 
 #include "philox.h"
-#include "simd.h"
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+// The kernel body (noise_cpu_simd.h) is compiled once per instruction set, each in its
+// own namespace, and picked at run time: AVX-512 and AVX2 where the CPU has them, the
+// baseline ISA everywhere (SSE2 on x86-64, generic vectors elsewhere).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define FASTDP_NOISE_DISPATCH 1
+#endif
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
 
 namespace fastdp {
 namespace {
 
-// One group of 4*kGroup elements starting at element `base` (all in range).
-template <typename T>
-__attribute__((always_inline)) inline void noise_group_full(const T* s, T* out, uint64_t group, uint32_t k0,
-                                                            uint32_t k1, uint32_t param, T std, T divisor) {
-  const uint64_t c_first = group * kGroup;
-  const T* s0 = s + 4 * c_first;
-  T* o0 = out + 4 * c_first;
-#pragma omp simd
-  for (int j = 0; j < kGroup; ++j) {
-    const uint64_t c = c_first + j;
-    uint32_t w0 = static_cast<uint32_t>(c), w1 = static_cast<uint32_t>(c >> 32), w2 = param, w3 = 0;
-    philox4x32_10(w0, w1, w2, w3, k0, k1);
-    float z0, z1, z2, z3;
-    box_muller(w0, w1, z0, z1);
-    box_muller(w2, w3, z2, z3);
-    o0[j] = (s0[j] + std * static_cast<T>(z0)) / divisor;
-    o0[kGroup + j] = (s0[kGroup + j] + std * static_cast<T>(z1)) / divisor;
-    o0[2 * kGroup + j] = (s0[2 * kGroup + j] + std * static_cast<T>(z2)) / divisor;
-    o0[3 * kGroup + j] = (s0[3 * kGroup + j] + std * static_cast<T>(z3)) / divisor;
-  }
+#if FASTDP_NOISE_DISPATCH
+#pragma GCC push_options
+#pragma GCC target("arch=x86-64-v4")
+#define FASTDP_SIMD 512
+namespace avx512 {
+#include "noise_cpu_simd.h"
+}  // namespace avx512
+#undef FASTDP_SIMD
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("arch=x86-64-v3")
+#define FASTDP_SIMD 256
+namespace avx2 {
+#include "noise_cpu_simd.h"
+}  // namespace avx2
+#undef FASTDP_SIMD
+#pragma GCC pop_options
+#endif
+
+#if defined(__SSE2__)
+#define FASTDP_SIMD 128
+#else
+#define FASTDP_SIMD 0
+#endif
+namespace baseline {
+#include "noise_cpu_simd.h"
+}  // namespace baseline
+#undef FASTDP_SIMD
+
+using NoiseGroupsFn = void (*)(const NoiseTensor&, uint64_t, uint64_t, uint32_t, uint32_t, double, double);
+
+NoiseGroupsFn pick_noise_groups() {
+#if FASTDP_NOISE_DISPATCH
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("x86-64-v4")) return avx512::noise_groups;
+  if (__builtin_cpu_supports("x86-64-v3")) return avx2::noise_groups;
+#endif
+  return baseline::noise_groups;
 }
 
-// The last, partial group: elements [4*kGroup*group, n).
-template <typename T>
-void noise_group_tail(const T* s, T* out, int64_t n, uint64_t group, uint32_t k0, uint32_t k1, uint32_t param,
-                      T std, T divisor) {
-  float z[4][kGroup];
-  const uint64_t c_first = group * kGroup;
-  for (int j = 0; j < kGroup; ++j) {
-    const uint64_t c = c_first + j;
-    uint32_t w0 = static_cast<uint32_t>(c), w1 = static_cast<uint32_t>(c >> 32), w2 = param, w3 = 0;
-    philox4x32_10(w0, w1, w2, w3, k0, k1);
-    box_muller(w0, w1, z[0][j], z[1][j]);
-    box_muller(w2, w3, z[2][j], z[3][j]);
-  }
-  const int64_t base = static_cast<int64_t>(4 * c_first);
-  for (int64_t e = base; e < n; ++e) {
-    const int64_t within = e - base;
-    out[e] = (s[e] + std * static_cast<T>(z[within / kGroup][within % kGroup])) / divisor;
-  }
-}
-
-template <typename T>
-__attribute__((always_inline)) inline void noise_groups(const NoiseTensor& t, uint64_t first, uint64_t count,
-                                                        uint32_t k0, uint32_t k1, T std, T divisor) {
-  const T* s = static_cast<const T*>(t.src);
-  T* out = static_cast<T*>(t.dst);
-  const uint64_t full = static_cast<uint64_t>(t.numel) / (4 * kGroup);
-  for (uint64_t g = first; g < first + count; ++g) {
-    if (g < full)
-      noise_group_full<T>(s, out, g, k0, k1, t.index, std, divisor);
-    else
-      noise_group_tail<T>(s, out, t.numel, g, k0, k1, t.index, std, divisor);
-  }
-}
-
-FASTDP_MULTIVERSION void noise_groups_f32(const NoiseTensor& t, uint64_t first, uint64_t count, uint32_t k0,
-                                          uint32_t k1, double std, double divisor) {
-  noise_groups<float>(t, first, count, k0, k1, static_cast<float>(std), static_cast<float>(divisor));
-}
-
-FASTDP_MULTIVERSION void noise_groups_f64(const NoiseTensor& t, uint64_t first, uint64_t count, uint32_t k0,
-                                          uint32_t k1, double std, double divisor) {
-  noise_groups<double>(t, first, count, k0, k1, std, divisor);
+// Ask for transparent huge pages on the whole 2 MiB pages of a large output: a fresh
+// allocation is then faulted in 2 MiB at a time instead of 4 KiB, which on large
+// tensors costs more than the kernel itself. Only a hint, so failures are ignored.
+void advise_huge_pages(void* p, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t{1} << 21;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(p) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(kHuge - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+  (void)p;
+  (void)bytes;
+#endif
 }
 
 }  // namespace
 
 void noisy_average(const std::vector<NoiseTensor>& tensors, double std, double divisor, uint64_t seed) {
+  static const NoiseGroupsFn noise_groups = pick_noise_groups();
   // Work items of up to kChunk groups, spread over all tensors, for one parallel loop.
-  constexpr uint64_t kChunk = 16;
+  constexpr uint64_t kChunk = 64;
   struct Item {
     size_t tensor;
     uint64_t first, count;
@@ -91,16 +96,13 @@ void noisy_average(const std::vector<NoiseTensor>& tensors, double std, double d
   for (size_t i = 0; i < tensors.size(); ++i) {
     const uint64_t groups = (static_cast<uint64_t>(tensors[i].numel) + 4 * kGroup - 1) / (4 * kGroup);
     for (uint64_t g = 0; g < groups; g += kChunk) items.push_back({i, g, std::min(kChunk, groups - g)});
+    advise_huge_pages(tensors[i].dst, tensors[i].numel * (tensors[i].is_double ? 8 : 4));
   }
   const uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
 #pragma omp parallel for schedule(static)
   for (int64_t n = 0; n < static_cast<int64_t>(items.size()); ++n) {
     const Item& it = items[n];
-    const NoiseTensor& t = tensors[it.tensor];
-    if (t.is_double)
-      noise_groups_f64(t, it.first, it.count, k0, k1, std, divisor);
-    else
-      noise_groups_f32(t, it.first, it.count, k0, k1, std, divisor);
+    noise_groups(tensors[it.tensor], it.first, it.count, k0, k1, std, divisor);
   }
 }
 
