@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <memory>
 #include <new>
+#include <type_traits>
 #include <vector>
 
 // The hot functions are compiled for AVX-512 and AVX2 besides the baseline ISA and picked
@@ -26,7 +27,8 @@ namespace {
 
 constexpr int MR = 8;         // rows of a micro-tile (broadcast operand)
 constexpr int64_t TB = 64;    // tile edge on T (ghost) and on p and d (direct); multiple of MR and W
-constexpr int64_t TC = 256;   // direct: rows of T packed per chunk
+constexpr int64_t KC = 128;   // ghost: steps of the Gram reduction per pass over a tile
+constexpr int64_t TC = 64;    // direct: steps of T per pass over a tile
 
 // A 64-byte vector, lowered by GCC/Clang to the clone's ISA (one zmm, two ymm or four xmm),
 // and the same vector at any element-aligned address (for loads from packed panels).
@@ -34,6 +36,7 @@ template <typename F>
 struct VecOf {
   typedef F type __attribute__((vector_size(64)));
   typedef F unaligned __attribute__((vector_size(64), aligned(sizeof(F)), may_alias));
+  typedef std::conditional_t<sizeof(F) == 4, int32_t, int64_t> index __attribute__((vector_size(64)));
 };
 template <typename F>
 using Vec = typename VecOf<F>::type;
@@ -43,6 +46,11 @@ constexpr int kLanes = 64 / sizeof(F);
 template <typename F>
 __attribute__((always_inline)) inline const typename VecOf<F>::unaligned& load(const F* p) {
   return *reinterpret_cast<const typename VecOf<F>::unaligned*>(p);
+}
+
+template <typename F>
+__attribute__((always_inline)) inline void store(F* p, const Vec<F>& v) {
+  *reinterpret_cast<typename VecOf<F>::unaligned*>(p) = v;
 }
 
 template <typename F>
@@ -64,17 +72,16 @@ struct Scratch {
   F* get() const { return ptr.get(); }
 };
 
-// acc[r] += sum_{k < n} panel[k] * rows[r][k * step]: panel holds n vectors of W lanes.
+// acc[r] += sum_{k < n} panel[k * pstep .. k * pstep + W) * rows[r][k * step], r < MR.
 template <typename F>
 __attribute__((always_inline)) inline void micro_kernel(const F* const* rows, int64_t step, const F* panel,
-                                                        int64_t n, Vec<F>* acc) {
-  constexpr int W = kLanes<F>;
+                                                        int64_t pstep, int64_t n, Vec<F>* acc) {
   Vec<F> c[MR];
   for (int r = 0; r < MR; ++r) c[r] = acc[r];
   const F* x[MR];
   for (int r = 0; r < MR; ++r) x[r] = rows[r];
   for (int64_t k = 0; k < n; ++k) {
-    const Vec<F> col = load(panel + k * W);
+    const Vec<F> col = load(panel + k * pstep);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
       c[r] += col * x[r][0];
@@ -84,27 +91,92 @@ __attribute__((always_inline)) inline void micro_kernel(const F* const* rows, in
   for (int r = 0; r < MR; ++r) acc[r] = c[r];
 }
 
-// Ghost panel of rows [t0, t1) of one sample's (T, K) matrix x, transposed in blocks of W rows:
-// panel[(c * K + k) * W + j] = x[t0 + c W + j, k], zero past t1.
+#if defined(__GNUC__) && !defined(__clang__)
+// Transposes the W x W block held in v (v[i] = row i) in place: log2(W) rounds, each swapping
+// the off-diagonal b x b sub-blocks of every 2b x 2b block with two-vector shuffles.
 template <typename F>
-void pack_rows_transposed(const F* x, int64_t st, int64_t sk, int64_t K, int64_t t0, int64_t t1, F* panel) {
+__attribute__((always_inline)) inline void transpose_block(Vec<F>* v) {
   constexpr int W = kLanes<F>;
-  const int64_t blocks = (t1 - t0 + W - 1) / W;
-  std::fill(panel, panel + blocks * K * W, F(0));
-  for (int64_t t = t0; t < t1; ++t) {
-    F* dst = panel + ((t - t0) / W) * K * W + (t - t0) % W;
-    const F* src = x + t * st;
-    for (int64_t k = 0; k < K; ++k) dst[k * W] = src[k * sk];
+  typename VecOf<F>::index lo, hi;
+#pragma GCC unroll 4
+  for (int b = W / 2; b >= 1; b /= 2) {
+    for (int j = 0; j < W; ++j) {  // lanes of (top, bottom): left half of a 2b block stays
+      lo[j] = (j & b) ? W + j - b : j;
+      hi[j] = (j & b) ? W + j : j + b;
+    }
+    for (int r = 0; r < W; ++r)
+      if (!(r & b)) {
+        const Vec<F> top = v[r], bottom = v[r + b];
+        v[r] = __builtin_shuffle(top, bottom, lo);
+        v[r + b] = __builtin_shuffle(top, bottom, hi);
+      }
+  }
+}
+#define LINEAR_NORMS_TRANSPOSE 1
+#endif
+
+// Ghost panel of rows [t0, t1) of one sample's (T, K) matrix x, transposed in blocks of W rows:
+// panel[(c * K + k) * W + j] = x[t0 + c W + j, k], zero past t1. Whole blocks are copied as
+// vectors when x is (K, T)-major and transposed W x W at a time when it is (T, K)-major.
+template <typename F>
+__attribute__((always_inline)) inline void pack_rows_transposed(const F* x, int64_t st, int64_t sk, int64_t K,
+                                                                int64_t t0, int64_t t1, F* panel) {
+  constexpr int W = kLanes<F>;
+  for (int64_t c0 = t0; c0 < t1; c0 += W) {
+    const int64_t rows = std::min<int64_t>(W, t1 - c0);
+    F* dst = panel + ((c0 - t0) / W) * K * W;
+    int64_t k0 = 0;  // columns [0, k0) done with vectors
+    if (rows == W && st == 1) {
+      for (; k0 < K; ++k0) store(dst + k0 * W, Vec<F>(load(x + c0 + k0 * sk)));
+    }
+#ifdef LINEAR_NORMS_TRANSPOSE
+    if (rows == W && sk == 1) {
+      for (; k0 + W <= K; k0 += W) {
+        Vec<F> v[W];
+        for (int j = 0; j < W; ++j) v[j] = load(x + (c0 + j) * st + k0);
+        transpose_block<F>(v);
+        for (int j = 0; j < W; ++j) store(dst + (k0 + j) * W, v[j]);
+      }
+    }
+#endif
+    if (k0 == K) continue;
+    if (rows < W) std::fill(dst + k0 * W, dst + K * W, F(0));
+    for (int64_t j = 0; j < rows; ++j)
+      for (int64_t k = k0; k < K; ++k) dst[k * W + j] = x[(c0 + j) * st + k * sk];
+  }
+}
+
+// Gram tile of x (T rows of length K, strides st, sk) between rows [s0, s1) and the packed
+// column tile starting at row t0 (`blocks` blocks of W): acc[(rg * blocks + c) * MR + r] +=
+// x_{s0 + rg MR + r} . x_{t0 + c W + lane}, in passes of KC steps of k so that the panel
+// slices stay in L1. Micro-tiles entirely below the diagonal are skipped; rows past T read
+// row T-1 (their weight is 0).
+template <typename F>
+__attribute__((always_inline)) inline void gram_tile(const F* x, int64_t st, int64_t sk, int64_t K, int64_t seq,
+                                                     const F* panel, int64_t s0, int64_t s1, int64_t t0,
+                                                     int64_t blocks, Vec<F>* acc) {
+  constexpr int W = kLanes<F>;
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t n = std::min(KC, K - k0);
+    for (int64_t r0 = s0; r0 < s1; r0 += MR) {
+      const F* rows[MR];
+      for (int r = 0; r < MR; ++r) rows[r] = x + std::min(r0 + r, seq - 1) * st + k0 * sk;
+      for (int64_t c = 0; c < blocks; ++c)
+        if (r0 < t0 + (c + 1) * W)
+          micro_kernel(rows, sk, panel + (c * K + k0) * W, W, n, acc + (((r0 - s0) / MR) * blocks + c) * MR);
+    }
   }
 }
 
 // Ghost work item: column tile [t0, t1) of sample (a, g) (rows of length d and p). Returns
 // sum over s < t1, t in the tile of w(s, t) (a_s . a_t)(g_s . g_t) with w = 2 above the
 // diagonal, 1 on it, 0 below, so that the tiles of one sample add up to the full sum.
+// Scratch: panels pa (TB x d), pg (TB x p); Gram tiles ga, gg (TB x TB each).
 template <typename F>
 __attribute__((always_inline)) inline double ghost_tile(const F* a, int64_t sat, int64_t sad, int64_t d,
                                                         const F* g, int64_t sgt, int64_t sgp, int64_t p,
-                                                        int64_t seq, int64_t t0, int64_t t1, F* pa, F* pg) {
+                                                        int64_t seq, int64_t t0, int64_t t1, F* pa, F* pg,
+                                                        Vec<F>* ga, Vec<F>* gg) {
   constexpr int W = kLanes<F>;
   pack_rows_transposed(a, sat, sad, d, t0, t1, pa);
   pack_rows_transposed(g, sgt, sgp, p, t0, t1, pg);
@@ -115,27 +187,22 @@ __attribute__((always_inline)) inline double ghost_tile(const F* a, int64_t sat,
   const int64_t blocks = (t1 - t0 + W - 1) / W;
   double total = 0.0;
   for (int64_t s0 = 0; s0 < t1; s0 += TB) {  // row tiles S <= this column tile
+    const int64_t s1 = std::min(s0 + TB, t1), groups = (s1 - s0 + MR - 1) / MR;
+    std::fill(ga, ga + groups * blocks * MR, Vec<F>{});
+    std::fill(gg, gg + groups * blocks * MR, Vec<F>{});
+    gram_tile(a, sat, sad, d, seq, pa, s0, s1, t0, blocks, ga);
+    gram_tile(g, sgt, sgp, p, seq, pg, s0, s1, t0, blocks, gg);
     Vec<F> tile_sum = {};
-    for (int64_t r0 = s0; r0 < std::min(s0 + TB, t1); r0 += MR) {
-      const F* ra[MR];
-      const F* rg[MR];
-      for (int r = 0; r < MR; ++r) {  // rows past T repeat row T-1 and get weight 0
-        const int64_t s = std::min(r0 + r, seq - 1);
-        ra[r] = a + s * sat;
-        rg[r] = g + s * sgt;
-      }
+    for (int64_t r0 = s0; r0 < s1; r0 += MR) {
       for (int64_t c = 0; c < blocks; ++c) {
-        const int64_t c0 = t0 + c * W;
+        const int64_t c0 = t0 + c * W, v = (((r0 - s0) / MR) * blocks + c) * MR;
         if (r0 >= c0 + W) continue;  // entirely below the diagonal
-        Vec<F> ga[MR] = {}, gg[MR] = {};
-        micro_kernel(ra, sad, pa + c * d * W, d, ga);
-        micro_kernel(rg, sgp, pg + c * p * W, p, gg);
-        if (r0 + MR <= c0) {  // entirely above the diagonal
+        if (r0 + MR <= c0) {         // entirely above
           Vec<F> sum = {};
-          for (int r = 0; r < MR; ++r) sum += ga[r] * gg[r];
+          for (int r = 0; r < MR; ++r) sum += ga[v + r] * gg[v + r];
           tile_sum += sum + sum;
         } else {
-          for (int r = 0; r < MR; ++r) tile_sum += ga[r] * gg[r] * load(weight + OFF + c0 - (r0 + r));
+          for (int r = 0; r < MR; ++r) tile_sum += ga[v + r] * gg[v + r] * load(weight + OFF + c0 - (r0 + r));
         }
       }
     }
@@ -146,58 +213,66 @@ __attribute__((always_inline)) inline double ghost_tile(const F* a, int64_t sat,
 
 LINEAR_NORMS_CLONES double ghost_tile_f32(const float* a, int64_t sat, int64_t sad, int64_t d, const float* g,
                                           int64_t sgt, int64_t sgp, int64_t p, int64_t seq, int64_t t0, int64_t t1,
-                                          float* pa, float* pg) {
-  return ghost_tile(a, sat, sad, d, g, sgt, sgp, p, seq, t0, t1, pa, pg);
+                                          float* pa, float* pg, Vec<float>* ga, Vec<float>* gg) {
+  return ghost_tile(a, sat, sad, d, g, sgt, sgp, p, seq, t0, t1, pa, pg, ga, gg);
 }
 
 LINEAR_NORMS_CLONES double ghost_tile_f64(const double* a, int64_t sat, int64_t sad, int64_t d, const double* g,
                                           int64_t sgt, int64_t sgp, int64_t p, int64_t seq, int64_t t0, int64_t t1,
-                                          double* pa, double* pg) {
-  return ghost_tile(a, sat, sad, d, g, sgt, sgp, p, seq, t0, t1, pa, pg);
+                                          double* pa, double* pg, Vec<double>* ga, Vec<double>* gg) {
+  return ghost_tile(a, sat, sad, d, g, sgt, sgp, p, seq, t0, t1, pa, pg, ga, gg);
 }
 
 // Direct work item: the (j0..j1) x (k0..k1) tile of g^T a for one sample, accumulated over T
-// in chunks of TC rows, then square-summed. Chunk panels: pa[(c * n + t) * W + j] =
-// a[t, k0 + c W + j] and pg[(b * n + t) * MR + r] = g[t, j0 + b MR + r], zero past d and p.
+// in chunks of TC rows, then square-summed. Vectors of a are read in place when its rows are
+// contiguous and the block is whole, else packed into pa (TC x W, zero past k1); scalars of g
+// are read in place, rows past j1 repeat row j1 - 1 and are left out of the sum.
 template <typename F>
 __attribute__((always_inline)) inline double direct_tile(const F* a, int64_t sat, int64_t sad, const F* g,
                                                          int64_t sgt, int64_t sgp, int64_t seq, int64_t j0,
-                                                         int64_t j1, int64_t k0, int64_t k1, F* pa, F* pg,
+                                                         int64_t j1, int64_t k0, int64_t k1, F* pa,
                                                          Vec<F>* tile) {
   constexpr int W = kLanes<F>;
   const int64_t row_blocks = (j1 - j0 + MR - 1) / MR, col_blocks = (k1 - k0 + W - 1) / W;
   std::fill(tile, tile + row_blocks * col_blocks * MR, Vec<F>{});
   for (int64_t t0 = 0; t0 < seq; t0 += TC) {
     const int64_t n = std::min(TC, seq - t0);
-    std::fill(pa, pa + col_blocks * n * W, F(0));
-    std::fill(pg, pg + row_blocks * n * MR, F(0));
-    for (int64_t t = 0; t < n; ++t) {
-      const F* at = a + (t0 + t) * sat;
-      const F* gt = g + (t0 + t) * sgt;
-      for (int64_t k = k0; k < k1; ++k) pa[(((k - k0) / W) * n + t) * W + (k - k0) % W] = at[k * sad];
-      for (int64_t j = j0; j < j1; ++j) pg[(((j - j0) / MR) * n + t) * MR + (j - j0) % MR] = gt[j * sgp];
-    }
-    for (int64_t b = 0; b < row_blocks; ++b) {
-      const F* rows[MR];
-      for (int r = 0; r < MR; ++r) rows[r] = pg + b * n * MR + r;
-      for (int64_t c = 0; c < col_blocks; ++c) micro_kernel(rows, MR, pa + c * n * W, n, tile + (b * col_blocks + c) * MR);
+    for (int64_t c = 0; c < col_blocks; ++c) {
+      const int64_t kc = k0 + c * W;
+      const F* panel = a + t0 * sat + kc;
+      int64_t pstep = sat;
+      if (sad != 1 || kc + W > k1) {
+        for (int64_t t = 0; t < n; ++t)
+          for (int j = 0; j < W; ++j) pa[t * W + j] = kc + j < k1 ? a[(t0 + t) * sat + (kc + j) * sad] : F(0);
+        panel = pa;
+        pstep = W;
+      }
+      for (int64_t b = 0; b < row_blocks; ++b) {
+        const F* rows[MR];
+        for (int r = 0; r < MR; ++r) rows[r] = g + t0 * sgt + std::min(j0 + b * MR + r, j1 - 1) * sgp;
+        micro_kernel(rows, sgt, panel, pstep, n, tile + (b * col_blocks + c) * MR);
+      }
     }
   }
   Vec<F> sum = {};
-  for (int64_t v = 0; v < row_blocks * col_blocks * MR; ++v) sum += tile[v] * tile[v];
+  for (int64_t j = 0; j < j1 - j0; ++j)
+    for (int64_t c = 0; c < col_blocks; ++c) {
+      const Vec<F>& v = tile[((j / MR) * col_blocks + c) * MR + j % MR];
+      sum += v * v;
+    }
   return lane_sum<F>(sum);
 }
 
 LINEAR_NORMS_CLONES double direct_tile_f32(const float* a, int64_t sat, int64_t sad, const float* g, int64_t sgt,
                                            int64_t sgp, int64_t seq, int64_t j0, int64_t j1, int64_t k0, int64_t k1,
-                                           float* pa, float* pg, Vec<float>* tile) {
-  return direct_tile(a, sat, sad, g, sgt, sgp, seq, j0, j1, k0, k1, pa, pg, tile);
+                                           float* pa, Vec<float>* tile) {
+  return direct_tile(a, sat, sad, g, sgt, sgp, seq, j0, j1, k0, k1, pa, tile);
 }
 
-LINEAR_NORMS_CLONES double direct_tile_f64(const double* a, int64_t sat, int64_t sad, const double* g, int64_t sgt,
-                                           int64_t sgp, int64_t seq, int64_t j0, int64_t j1, int64_t k0, int64_t k1,
-                                           double* pa, double* pg, Vec<double>* tile) {
-  return direct_tile(a, sat, sad, g, sgt, sgp, seq, j0, j1, k0, k1, pa, pg, tile);
+LINEAR_NORMS_CLONES double direct_tile_f64(const double* a, int64_t sat, int64_t sad, const double* g,
+                                           int64_t sgt, int64_t sgp, int64_t seq, int64_t j0, int64_t j1, int64_t k0,
+                                           int64_t k1, double* pa, Vec<double>* tile) {
+  return direct_tile(a, sat, sad, g, sgt, sgp, seq, j0, j1, k0, k1, pa, tile);
 }
 
 // out[i] = sum of partial[i * per_sample ...] in order (deterministic for any thread count).
@@ -218,6 +293,7 @@ void linear_sq_norms_ghost(const Strided3<F>& a, const Strided3<F>& g, double* o
 #pragma omp parallel
   {
     Scratch<F> pa(TB * a.dim), pg(TB * g.dim);
+    Scratch<Vec<F>> ga(TB * TB / kLanes<F>), gg(TB * TB / kLanes<F>);
     // Items (sample, column tile); tile u costs ~u + 1 row tiles, hence dynamic scheduling.
 #pragma omp for schedule(dynamic)
     for (int64_t item = 0; item < batch * tiles; ++item) {
@@ -225,9 +301,11 @@ void linear_sq_norms_ghost(const Strided3<F>& a, const Strided3<F>& g, double* o
       const F* ai = a.data + i * a.sb;
       const F* gi = g.data + i * g.sb;
       if constexpr (sizeof(F) == 4)
-        partial[item] = ghost_tile_f32(ai, a.st, a.sk, a.dim, gi, g.st, g.sk, g.dim, seq, t0, t1, pa.get(), pg.get());
+        partial[item] = ghost_tile_f32(ai, a.st, a.sk, a.dim, gi, g.st, g.sk, g.dim, seq, t0, t1, pa.get(), pg.get(), ga.get(),
+                                       gg.get());
       else
-        partial[item] = ghost_tile_f64(ai, a.st, a.sk, a.dim, gi, g.st, g.sk, g.dim, seq, t0, t1, pa.get(), pg.get());
+        partial[item] = ghost_tile_f64(ai, a.st, a.sk, a.dim, gi, g.st, g.sk, g.dim, seq, t0, t1, pa.get(), pg.get(), ga.get(),
+                                       gg.get());
     }
   }
   sum_partials(partial, batch, tiles, out);
@@ -240,7 +318,7 @@ void linear_sq_norms_direct(const Strided3<F>& a, const Strided3<F>& g, double* 
   std::vector<double> partial(batch * tiles);
 #pragma omp parallel
   {
-    Scratch<F> pa(TC * TB), pg(TC * TB);
+    Scratch<F> pa(TC * kLanes<F>);
     Scratch<Vec<F>> tile(TB * TB / kLanes<F>);
 #pragma omp for schedule(dynamic)
     for (int64_t item = 0; item < batch * tiles; ++item) {
@@ -249,11 +327,9 @@ void linear_sq_norms_direct(const Strided3<F>& a, const Strided3<F>& g, double* 
       const F* ai = a.data + i * a.sb;
       const F* gi = g.data + i * g.sb;
       if constexpr (sizeof(F) == 4)
-        partial[item] = direct_tile_f32(ai, a.st, a.sk, gi, g.st, g.sk, seq, j0, j1, k0, k1, pa.get(), pg.get(),
-                                        tile.get());
+        partial[item] = direct_tile_f32(ai, a.st, a.sk, gi, g.st, g.sk, seq, j0, j1, k0, k1, pa.get(), tile.get());
       else
-        partial[item] = direct_tile_f64(ai, a.st, a.sk, gi, g.st, g.sk, seq, j0, j1, k0, k1, pa.get(), pg.get(),
-                                        tile.get());
+        partial[item] = direct_tile_f64(ai, a.st, a.sk, gi, g.st, g.sk, seq, j0, j1, k0, k1, pa.get(), tile.get());
     }
   }
   sum_partials(partial, batch, tiles, out);
