@@ -4,13 +4,15 @@
 float64 ``(B,)``. References: :func:`fastdp.ops.linear_sq_norms_ghost_ref` and
 :func:`fastdp.ops.linear_sq_norms_direct_ref`.
 
-* ghost: ``sum_{s,t} (a_s.a_t)(g_s.g_t)``; program ``(i, S)`` computes the Gram tiles
-  ``(S, U)`` of ``a_i`` and ``g_i`` for every ``U >= S`` with ``tl.dot``, multiplies them
-  and reduces at once (off-diagonal tiles count twice), so no ``T x T`` Gram is stored.
+* ghost: ``sum_{s,t} (a_s.a_t)(g_s.g_t)``; program ``(i, k)`` takes the k-th tile pair
+  ``(S, U)``, ``U >= S``, of the T axis, computes the Gram tiles of ``a_i`` and ``g_i`` with
+  ``tl.dot``, multiplies them and reduces at once (off-diagonal pairs count twice), so no
+  ``T x T`` Gram is stored and every program does the same work.
 * direct: program ``(i, P)`` accumulates the tile ``g_i[:, P]^T a_i[:, D]`` over T for each
   column tile D and adds its squared entries, so no ``(p, d)`` per-sample gradient is stored.
 
-Both write one partial sum per program (extra memory ``B * cdiv(T or p, BLOCK)``),
+Both write one partial sum per program (extra memory ``B`` times the tile pairs of T, or
+the tiles of p),
 summed in float64 afterwards. Tile products are summed in float32 (float64 inputs stay
 float64) and accumulated across tiles in float64; float32 dots use IEEE precision
 (no TF32); bfloat16/float16 inputs are multiplied in their dtype with float32 accumulation.
@@ -46,20 +48,19 @@ def _gram_tile(x, rows_s, rows_t, n_rows, n_cols, stride_t, stride_k,
 
 
 @triton.jit
-def _ghost_kernel(a, g, partial, T, D, P, sab, sat, sad, sgb, sgt, sgp,
+def _ghost_kernel(a, g, pair_s, pair_t, partial, T, D, P, sab, sat, sad, sgb, sgt, sgp,
                   BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     i = tl.program_id(0)
-    tile_s = tl.program_id(1)
-    n_tiles = tl.num_programs(1)
+    pair = tl.program_id(1)
+    tile_s = tl.load(pair_s + pair)
+    tile_t = tl.load(pair_t + pair)
     rows_s = tile_s * BLOCK_T + tl.arange(0, BLOCK_T)
-    total = tl.full((1,), 0, tl.float64)
-    for tile_t in range(tile_s, n_tiles):
-        rows_t = tile_t * BLOCK_T + tl.arange(0, BLOCK_T)
-        gram_a = _gram_tile(a + i * sab, rows_s, rows_t, T, D, sat, sad, BLOCK_T, BLOCK_K, ACC, PRECISION, UPCAST)
-        gram_g = _gram_tile(g + i * sgb, rows_s, rows_t, T, P, sgt, sgp, BLOCK_T, BLOCK_K, ACC, PRECISION, UPCAST)
-        weight = tl.where(tile_t > tile_s, 2.0, 1.0)
-        total += weight * block_sum(gram_a * gram_g).to(tl.float64)
-    tl.store(partial + i * n_tiles + tile_s + tl.arange(0, 1), total)
+    rows_t = tile_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    gram_a = _gram_tile(a + i * sab, rows_s, rows_t, T, D, sat, sad, BLOCK_T, BLOCK_K, ACC, PRECISION, UPCAST)
+    gram_g = _gram_tile(g + i * sgb, rows_s, rows_t, T, P, sgt, sgp, BLOCK_T, BLOCK_K, ACC, PRECISION, UPCAST)
+    weight = tl.where(tile_t > tile_s, 2.0, 1.0)
+    total = weight * block_sum(gram_a * gram_g).to(tl.float64)
+    tl.store(partial + i * tl.num_programs(1) + pair + tl.arange(0, 1), total + tl.full((1,), 0, tl.float64))
 
 
 @triton.jit
@@ -87,14 +88,16 @@ def _direct_kernel(a, g, partial, T, D, P, sab, sat, sad, sgb, sgt, sgp,
     tl.store(partial + i * tl.num_programs(1) + tile_p + tl.arange(0, 1), total)
 
 
-def _dot_config(dtype: torch.dtype) -> dict:
-    """Accumulator dtype and ``tl.dot`` precision for an input dtype. Half-precision tiles
-    are upcast before ``tl.dot`` only under TRITON_INTERPRET=1, whose bfloat16 dot is wrong
-    (the products are exact in float32 either way)."""
+def _dot_config(dtype: torch.dtype, float32_precision: str = "ieee") -> dict:
+    """Accumulator dtype and ``tl.dot`` precision for an input dtype. Float32 uses exact
+    products ("ieee") or three TF32 passes ("tf32x3", float32-level accuracy on tensor
+    cores). Half-precision tiles are upcast before ``tl.dot`` only under TRITON_INTERPRET=1,
+    whose bfloat16 dot is wrong (the products are exact in float32 either way)."""
     if dtype == torch.float64:
         return dict(ACC=tl.float64, PRECISION="ieee", UPCAST=False)
     half = dtype in (torch.bfloat16, torch.float16)
-    return dict(ACC=tl.float32, PRECISION=None if half else "ieee", UPCAST=half and _INTERPRETED)
+    precision = None if half else ("ieee" if _INTERPRETED else float32_precision)
+    return dict(ACC=tl.float32, PRECISION=precision, UPCAST=half and _INTERPRETED)
 
 
 def _block(n: int, cap: int) -> int:
@@ -102,7 +105,21 @@ def _block(n: int, cap: int) -> int:
     return max(16, min(cap, triton.next_power_of_2(max(n, 1))))
 
 
-def linear_sq_norms_ghost_triton(a: torch.Tensor, g: torch.Tensor, block_t: int = 64, block_k: int = 32) -> torch.Tensor:
+_PAIRS: dict = {}
+
+
+def _tile_pairs(n_tiles: int, device: torch.device):
+    """Upper-triangular tile pairs ``(S, U)``, ``U >= S``, as two int32 tensors (cached)."""
+    key = (n_tiles, str(device))
+    if key not in _PAIRS:
+        s, t = torch.triu_indices(n_tiles, n_tiles)
+        _PAIRS[key] = (s.to(device, torch.int32), t.to(device, torch.int32))
+    return _PAIRS[key]
+
+
+def linear_sq_norms_ghost_triton(a: torch.Tensor, g: torch.Tensor, block_t: int = 64, block_k: int = 32,
+                                 num_warps: int = 4, num_stages: int = 2,
+                                 float32_precision: str = "ieee") -> torch.Tensor:
     """Tiled ghost norm, float64 ``(B,)``; see the module docstring."""
     batch, seq, d = a.shape
     p = g.shape[-1]
@@ -110,11 +127,12 @@ def linear_sq_norms_ghost_triton(a: torch.Tensor, g: torch.Tensor, block_t: int 
         return torch.zeros(batch, dtype=torch.float64, device=a.device)
     block_t = _block(seq, block_t)
     block_k = _block(max(d, p), block_k)
-    n_tiles = triton.cdiv(seq, block_t)
-    partial = torch.empty(batch, n_tiles, dtype=torch.float64, device=a.device)  # every entry is stored
-    _ghost_kernel[(batch, n_tiles)](
-        a, g, partial, seq, d, p, *a.stride(), *g.stride(),
-        BLOCK_T=block_t, BLOCK_K=block_k, **_dot_config(a.dtype),
+    pair_s, pair_t = _tile_pairs(triton.cdiv(seq, block_t), a.device)
+    partial = torch.empty(batch, pair_s.numel(), dtype=torch.float64, device=a.device)  # every entry is stored
+    _ghost_kernel[(batch, pair_s.numel())](
+        a, g, pair_s, pair_t, partial, seq, d, p, *a.stride(), *g.stride(),
+        BLOCK_T=block_t, BLOCK_K=block_k, **_dot_config(a.dtype, float32_precision),
+        num_warps=num_warps, num_stages=num_stages,
     )
     return partial.sum(1)
 

@@ -63,3 +63,27 @@ def test_gpu_noise_step_uses_kernel_and_is_scaled(monkeypatch):
     assert abs(std - 2.0 * 0.5 / 8) < 0.01 * (2.0 * 0.5 / 8)
     assert model.weight.grad.is_cuda
     opt.detach()
+
+
+def test_bf16_autocast_conv_after_groupnorm():
+    """Under CUDA autocast GroupNorm returns float32 while the next conv's grad is bfloat16:
+    the input gradient must still be formed (one dtype for cuDNN) and match float32 closely."""
+    import fastdp
+
+    torch.manual_seed(0)
+    make = lambda: nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(),  # noqa: E731
+                                 nn.Conv2d(8, 8, 3, padding=1), nn.Flatten(), nn.Linear(8 * 64, 10))
+    model = make().cuda().float()
+    x = torch.randn(16, 3, 8, 8, device="cuda", dtype=torch.float32)
+    grads = {}
+    for autocast in (False, True):
+        m = __import__("copy").deepcopy(model)
+        opt = fastdp.DPOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), module=m, noise_multiplier=0.0,
+                                 max_grad_norm=1e3, expected_batch_size=16)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            m(x).float().square().mean().backward()
+        opt.step()
+        grads[autocast] = torch.cat([p.grad.flatten() for p in m.parameters()])
+        opt.detach()
+    assert torch.isfinite(grads[True]).all()
+    assert (grads[True] - grads[False]).norm() < 0.05 * grads[False].norm()

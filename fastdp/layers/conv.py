@@ -104,7 +104,8 @@ class _ConvFn(torch.autograd.Function):
         ctx.tap.fire((x, ctx.spec), grad_out)
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = _convolution_backward(grad_out, x, weight.to(grad_out.dtype), ctx.spec,
+            # under autocast x may be float32 while grad_out is bfloat16: one dtype for aten
+            grad_x = _convolution_backward(grad_out, x.to(grad_out.dtype), weight.to(grad_out.dtype), ctx.spec,
                                            ctx.spec.groups, [True, False, False])[0]
         return grad_x, None, None, None, None
 

@@ -1,0 +1,90 @@
+"""GPU diagnostics for a lent machine (not part of CI): Triton ghost-norm tile/precision
+variants against the batched-Gram route, and where a fastdp step's time goes.
+
+    python3 bench/gpu_profile.py ghost            # variants table (ms, rel. error, extra MiB)
+    python3 bench/gpu_profile.py step mlp ...     # per-step ms, host syncs, top CPU ops
+
+Times are medians of CUDA-event timings (``triton.testing.do_bench``).
+"""
+from __future__ import annotations
+
+import sys
+import warnings
+
+import torch
+from triton.testing import do_bench
+
+from fastdp import bench, ops
+from kernels.linear_norms import linear_sq_norms_ghost_triton
+
+GHOST_SHAPES = ((32, 256, 256, 256), (16, 1024, 128, 128), (64, 64, 512, 512), (32, 128, 768, 3072),
+                (16, 512, 4096, 4096), (32, 128, 256, 1024))
+# (block_t, block_k, num_warps, num_stages, float32 precision)
+VARIANTS = ((64, 32, 4, 2, "ieee"), (64, 64, 4, 3, "ieee"), (128, 32, 8, 3, "ieee"),
+            (64, 32, 4, 3, "tf32x3"), (64, 64, 4, 3, "tf32x3"), (128, 32, 8, 3, "tf32x3"),
+            (128, 64, 8, 3, "tf32x3"), (128, 64, 8, 4, "tf32x3"))
+
+
+def ghost_table() -> None:
+    print(f"{'shape':28s} {'dtype':9s} {'variant':26s} {'ms':>8s} {'ref ms':>8s} {'ratio':>6s} {'rel err':>9s}")
+    for b, t, d, p in GHOST_SHAPES:
+        for dtype in (torch.float32, torch.bfloat16):
+            a = torch.randn(b, t, d, device="cuda", dtype=dtype)
+            g = torch.randn(b, t, p, device="cuda", dtype=dtype)
+            exact = ops.linear_sq_norms_direct_ref(a.double(), g.double())
+            ref_ms = do_bench(lambda: ops.linear_sq_norms_ghost_ref(a, g), return_mode="median")
+            seen = set()
+            for bt, bk, warps, stages, prec in VARIANTS:
+                if dtype != torch.float32 and (bt, bk, warps, stages) in seen:
+                    continue  # precision only matters for float32
+                seen.add((bt, bk, warps, stages))
+                fn = lambda: linear_sq_norms_ghost_triton(a, g, bt, bk, warps, stages, prec)  # noqa: E731
+                try:
+                    err = float(((fn() - exact).abs() / exact).max())
+                    ms = do_bench(fn, return_mode="median")
+                except Exception as exc:  # a config the compiler rejects (shared memory)
+                    print(f"{(b, t, d, p)!s:28s} {str(dtype)[6:]:9s} {bt, bk, warps, stages, prec!s:26s} "
+                          f"failed: {type(exc).__name__}")
+                    continue
+                print(f"{(b, t, d, p)!s:28s} {str(dtype)[6:]:9s} {bt, bk, warps, stages, prec!s:26s} "
+                      f"{ms:8.3f} {ref_ms:8.3f} {ref_ms / ms:6.2f} {err:9.1e}", flush=True)
+
+
+def profile_step(config: str) -> None:
+    torch.manual_seed(0)
+    model, x, y, per_sample = bench.CONFIGS[config][0](False)
+    model, x, y = model.cuda(), x.cuda(), y.cuda()
+    crit = bench.SampleLoss(per_sample)
+    for method in ("nonprivate", "fastdp"):
+        m = __import__("copy").deepcopy(model)
+        opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+        step = (bench._fastdp_step if method == "fastdp" else bench._plain_step)(m, x, y, crit, opt)
+        for _ in range(5):
+            step()
+        ms = do_bench(step, warmup=50, rep=300, return_mode="median")
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()
+        torch.cuda.set_sync_debug_mode(0)
+        syncs = sorted({str(w.message).splitlines()[0][:80] for w in caught})
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+        events = prof.key_averages()
+        cuda_ms = sum(e.self_device_time_total for e in events) / 3e3
+        print(f"\n== {config} {method}: {ms:.3f} ms/step (events), GPU busy {cuda_ms:.3f} ms/step, "
+              f"{len(caught)} host syncs: {syncs}")
+        print(events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=50))
+
+
+if __name__ == "__main__":
+    what = sys.argv[1] if len(sys.argv) > 1 else "ghost"
+    if what == "ghost":
+        ghost_table()
+    else:
+        for config in sys.argv[2:] or ["mlp"]:
+            profile_step(config)
