@@ -86,7 +86,9 @@ void advise_huge_pages(void* p, size_t bytes) {
 
 void noisy_average(const std::vector<NoiseTensor>& tensors, double std, double divisor, uint64_t seed) {
   static const NoiseGroupsFn noise_groups = pick_noise_groups();
-  // Work items of up to kChunk groups, spread over all tensors, for one parallel loop.
+  // Work items of up to kChunk groups (64K elements), spread over all tensors, handed out
+  // dynamically: a thread that loses its core (a busy or shared machine) then holds up
+  // one item, not a static share.
   constexpr uint64_t kChunk = 64;
   struct Item {
     size_t tensor;
@@ -99,7 +101,7 @@ void noisy_average(const std::vector<NoiseTensor>& tensors, double std, double d
     advise_huge_pages(tensors[i].dst, tensors[i].numel * (tensors[i].is_double ? 8 : 4));
   }
   const uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(dynamic)
   for (int64_t n = 0; n < static_cast<int64_t>(items.size()); ++n) {
     const Item& it = items[n];
     noise_groups(tensors[it.tensor], it.first, it.count, k0, k1, std, divisor);
