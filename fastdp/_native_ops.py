@@ -55,7 +55,7 @@ def _linear_operands(a: torch.Tensor, g: torch.Tensor):
     return a.numpy(), g.numpy(), torch.empty(a.shape[0], dtype=torch.float64)
 
 
-@ops.register("linear_sq_norms_ghost", "native", "cpu", auto=False)
+@ops.register("linear_sq_norms_ghost", "native", "cpu")
 def linear_sq_norms_ghost(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """Tiled ghost norm: 64 x 64 Gram tiles of the upper triangle, multiplied and reduced at once."""
     a_np, g_np, out = _linear_operands(a, g)
@@ -63,7 +63,7 @@ def linear_sq_norms_ghost(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@ops.register("linear_sq_norms_direct", "native", "cpu", auto=False)
+@ops.register("linear_sq_norms_direct", "native", "cpu")
 def linear_sq_norms_direct(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """Tiled ``g_i^T a_i``: 64 x 64 tiles accumulated over T and square-summed at once."""
     a_np, g_np, out = _linear_operands(a, g)

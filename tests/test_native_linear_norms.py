@@ -73,7 +73,12 @@ def test_other_dtypes_and_grad_tensors(name):
     _check(KERNELS[name](a16, g16), a16.float(), g16.float())
 
 
-def test_registered_for_forced_native(monkeypatch):
-    monkeypatch.setenv("FASTDP_BACKEND", "native")
+@pytest.mark.parametrize("backend", ["native", None])
+def test_registered_forced_and_auto(monkeypatch, backend):
+    """Measured faster than the bmm references (bench/linear_norms_cpu.py): the CPU default."""
+    if backend is None:
+        monkeypatch.delenv("FASTDP_BACKEND", raising=False)
+    else:
+        monkeypatch.setenv("FASTDP_BACKEND", backend)
     for name, kernel in KERNELS.items():
         assert ops.implementation(f"linear_sq_norms_{name}", torch.device("cpu")) == ("native", kernel)
