@@ -20,7 +20,7 @@ from fastdp import _native_ops as native
 from fastdp import ops
 
 SHAPES = ((32, 256, 256, 256), (16, 1024, 128, 128), (64, 64, 512, 512), (256, 16, 64, 10), (64, 49, 32, 64))
-TILE, CHUNK = 64, 256  # csrc/linear_norms.cpp: TB and TC
+TILE, CHUNK = 64, 64  # csrc/linear_norms.cpp: TB and TC
 
 
 def best_ms(fn, repeat: int) -> float:
@@ -41,8 +41,9 @@ def extra_mib(b, t, d, p, threads, elem=4):
     """Extra bytes of (ghost ref, direct ref, native ghost, native direct), in MiB."""
     ghost_ref = 2 * b * t * t * elem
     direct_ref = b * p * d * elem
-    ghost = 8 * b * cdiv(t, TILE) + threads * TILE * (d + p) * elem
-    direct = 8 * b * cdiv(p, TILE) * cdiv(d, TILE) + threads * (2 * CHUNK + TILE) * TILE * elem
+    lanes = 64 // elem
+    ghost = 8 * b * cdiv(t, TILE) + threads * (TILE * (d + p) + 2 * TILE * TILE) * elem
+    direct = 8 * b * cdiv(p, TILE) * cdiv(d, TILE) + threads * (CHUNK * lanes + TILE * TILE) * elem
     return [x / 2**20 for x in (ghost_ref, direct_ref, ghost, direct)]
 
 

@@ -2,8 +2,8 @@
 //
 // Both routes share one register-blocked micro-kernel: MR rows, each one 64-byte vector of
 // W lanes (16 floats / 8 doubles) wide, accumulated over a reduction axis of length n from a
-// packed panel (n vectors) and one broadcast scalar per row and step. Products are summed in
-// the input dtype within a 64 x 64 tile and tiles are summed in float64.
+// panel of n vectors and one broadcast scalar per row and step. Products are summed in the
+// input dtype within a 64 x 64 tile and tiles are summed in float64.
 #include "linear_norms.h"
 
 #include <algorithm>
@@ -14,8 +14,8 @@
 
 // The hot functions are compiled for AVX-512 and AVX2 besides the baseline ISA and picked
 // at load time (GCC/Clang function multi-versioning on x86-64 ELF): wide vectors where the
-// CPU has them, never required. Local twin of simd.h's FASTDP_MULTIVERSION, which that
-// header's owner is replacing.
+// CPU has them, never required. Same as simd.h's FASTDP_MULTIVERSION, kept local so that
+// this file does not depend on that header while it is being reworked.
 #if defined(__x86_64__) && defined(__ELF__) && (defined(__GNUC__) || defined(__clang__))
 #define LINEAR_NORMS_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
@@ -301,11 +301,11 @@ void linear_sq_norms_ghost(const Strided3<F>& a, const Strided3<F>& g, double* o
       const F* ai = a.data + i * a.sb;
       const F* gi = g.data + i * g.sb;
       if constexpr (sizeof(F) == 4)
-        partial[item] = ghost_tile_f32(ai, a.st, a.sk, a.dim, gi, g.st, g.sk, g.dim, seq, t0, t1, pa.get(), pg.get(), ga.get(),
-                                       gg.get());
+        partial[item] = ghost_tile_f32(ai, a.st, a.sk, a.dim, gi, g.st, g.sk, g.dim, seq, t0, t1, pa.get(), pg.get(),
+                                       ga.get(), gg.get());
       else
-        partial[item] = ghost_tile_f64(ai, a.st, a.sk, a.dim, gi, g.st, g.sk, g.dim, seq, t0, t1, pa.get(), pg.get(), ga.get(),
-                                       gg.get());
+        partial[item] = ghost_tile_f64(ai, a.st, a.sk, a.dim, gi, g.st, g.sk, g.dim, seq, t0, t1, pa.get(), pg.get(),
+                                       ga.get(), gg.get());
     }
   }
   sum_partials(partial, batch, tiles, out);

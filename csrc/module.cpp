@@ -88,8 +88,8 @@ PYBIND11_MODULE(_C, m) {
         py::arg("has_padding"), py::arg("padding_idx"), py::arg("out").noconvert(), emb_doc);
   const char* ghost_doc =
       "out[i] = ||g_i^T a_i||_F^2 from tiled Gram matrices (a (B,T,d), g (B,T,p), any strides; out (B,) float64).";
-  m.def("linear_sq_norms_ghost", &linear_sq_norms_t<float, fastdp::linear_sq_norms_ghost<float>>, py::arg("a").noconvert(),
-        py::arg("g").noconvert(), py::arg("out").noconvert(), ghost_doc);
+  m.def("linear_sq_norms_ghost", &linear_sq_norms_t<float, fastdp::linear_sq_norms_ghost<float>>,
+        py::arg("a").noconvert(), py::arg("g").noconvert(), py::arg("out").noconvert(), ghost_doc);
   m.def("linear_sq_norms_ghost", &linear_sq_norms_t<double, fastdp::linear_sq_norms_ghost<double>>,
         py::arg("a").noconvert(), py::arg("g").noconvert(), py::arg("out").noconvert(), ghost_doc);
   const char* direct_doc =
