@@ -151,7 +151,7 @@ class GradSampleEngine:
         if scale != 1.0:
             sq_norms = {p: n * (scale * scale) for p, n in sq_norms.items()}
 
-        bad = self._nonfinite_samples(sq_norms, batch)
+        bad = self._nonfinite_samples(sq_norms)
         if bad is not None:
             sq_norms = {p: torch.where(bad, 0.0, n) for p, n in sq_norms.items()}
             for rec in records:
@@ -193,12 +193,15 @@ class GradSampleEngine:
             )
         return sizes.pop()
 
-    def _nonfinite_samples(self, sq_norms, batch: int) -> Optional[torch.Tensor]:
-        finite = torch.ones(batch, dtype=torch.bool)
-        for norms in sq_norms.values():
-            finite &= torch.isfinite(norms).cpu()
+    def _nonfinite_samples(self, sq_norms) -> Optional[torch.Tensor]:
+        if not sq_norms:
+            return None
+        # Squared norms are >= 0 or NaN, so their sum is finite exactly when all are:
+        # one reduction on the device and a single host sync per backward pass.
+        finite = torch.isfinite(torch.stack(list(sq_norms.values())).sum(0))
         if bool(finite.all()):
             return None
+        finite = finite.cpu()
         bad = (~finite).nonzero().flatten().tolist()
         if self.nonfinite == "raise":
             params = [self.names.get(p, "?") for p, n in sq_norms.items() if not bool(torch.isfinite(n).all())]
