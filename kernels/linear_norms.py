@@ -117,14 +117,26 @@ def _tile_pairs(n_tiles: int, device: torch.device):
     return _PAIRS[key]
 
 
-def linear_sq_norms_ghost_triton(a: torch.Tensor, g: torch.Tensor, block_t: int = 64, block_k: int = 32,
-                                 num_warps: int = 4, num_stages: int = 2,
-                                 float32_precision: str = "ieee") -> torch.Tensor:
-    """Tiled ghost norm, float64 ``(B,)``; see the module docstring."""
+# Default (block_t, block_k, num_warps, num_stages) per input dtype, picked on an H100 from
+# bench/gpu_profile.py's variants (float32 with 3xTF32 products: 1.3-4.2x faster than the
+# batched-Gram route at 4e-7 relative error; see bench/RESULTS.md).
+_GHOST_TILES = {torch.float32: (64, 32, 4, 3), torch.bfloat16: (128, 64, 8, 4), torch.float16: (128, 64, 8, 4),
+                torch.float64: (64, 32, 4, 2)}
+
+
+def linear_sq_norms_ghost_triton(a: torch.Tensor, g: torch.Tensor, block_t: int = None, block_k: int = None,
+                                 num_warps: int = None, num_stages: int = None,
+                                 float32_precision: str = "tf32x3") -> torch.Tensor:
+    """Tiled ghost norm, float64 ``(B,)``; see the module docstring. Unset tile options take
+    the dtype's defaults; ``float32_precision`` is "tf32x3" or "ieee"."""
     batch, seq, d = a.shape
     p = g.shape[-1]
     if batch == 0 or seq == 0:
         return torch.zeros(batch, dtype=torch.float64, device=a.device)
+    defaults = _GHOST_TILES.get(a.dtype, _GHOST_TILES[torch.float32])
+    block_t, block_k, num_warps, num_stages = (
+        default if given is None else given
+        for given, default in zip((block_t, block_k, num_warps, num_stages), defaults))
     block_t = _block(seq, block_t)
     block_k = _block(max(d, p), block_k)
     pair_s, pair_t = _tile_pairs(triton.cdiv(seq, block_t), a.device)
