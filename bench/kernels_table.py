@@ -57,9 +57,10 @@ def noise_rows(impls, device, repeat, timer, sync):
         copy = lambda: [o.copy_(s) for o, s in zip(outs, sums)]  # noqa: E731
         t_ref, t_copy = timer(composite, repeat, sync), timer(copy, repeat, sync)
         for name, impl in impls:
-            t_k = timer(lambda: impl(sums, 1.3, 7.0, 11), repeat, sync)
-            label = f"noise[{name}] {len(sizes)} tensors, {sum(sizes) / 1e6:.2f}M"
-            yield label, t_ref, t_k, f"kernel/copy {t_k / t_copy:.2f}"
+            for inplace in (False, True):  # in place (as the optimizer calls it): no fresh output pages
+                t_k = timer(lambda: impl(sums, 1.3, 7.0, 11, inplace=inplace), repeat, sync)
+                label = f"noise[{name}{', in place' if inplace else ''}] {len(sizes)} tensors, {sum(sizes) / 1e6:.2f}M"
+                yield label, t_ref, t_k, f"kernel/copy {t_k / t_copy:.2f}"
 
 
 LINEAR_SHAPES = {

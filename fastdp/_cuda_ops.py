@@ -37,10 +37,11 @@ def _load() -> ctypes.CDLL:
     return lib
 
 
-def noisy_average(sums: Sequence[torch.Tensor], std: float, divisor: float, seed: int) -> List[torch.Tensor]:
+def noisy_average(sums: Sequence[torch.Tensor], std: float, divisor: float, seed: int,
+                  inplace: bool = False) -> List[torch.Tensor]:
     """Fused ``(s + std z) / divisor``, one launch per dtype; stream k = position in ``sums``."""
     srcs = [s.detach().contiguous() if s.dtype in _FLOATS else s.detach().float().contiguous() for s in sums]
-    outs = [torch.empty_like(s) for s in srcs]
+    outs = srcs if inplace else [torch.empty_like(s) for s in srcs]
     for dtype in _FLOATS:
         members = [k for k, s in enumerate(srcs) if s.dtype == dtype and s.numel()]
         if not members:

@@ -24,12 +24,14 @@ def _as_native(t: torch.Tensor) -> torch.Tensor:
 
 
 @ops.register("noisy_average", "native", "cpu")
-def noisy_average(sums: Sequence[torch.Tensor], std: float, divisor: float, seed: int) -> List[torch.Tensor]:
-    """Fused ``(s + std z) / divisor`` for all tensors in one parallel pass (Philox stream k = list position)."""
+def noisy_average(sums: Sequence[torch.Tensor], std: float, divisor: float, seed: int,
+                  inplace: bool = False) -> List[torch.Tensor]:
+    """Fused ``(s + std z) / divisor`` for all tensors in one parallel pass (Philox stream k = list position).
+    In place, the kernel writes over the (contiguous float) sums: no fresh pages to fault in."""
     if std == 0:
-        return [s / divisor for s in sums]
+        return [s.div_(divisor) if inplace else s / divisor for s in sums]
     srcs = [_as_native(s) for s in sums]
-    outs = [torch.empty_like(s) for s in srcs]
+    outs = srcs if inplace else [torch.empty_like(s) for s in srcs]
     _C.noisy_average([s.numpy() for s in srcs], [o.numpy() for o in outs], float(std), float(divisor),
                      seed & (2**64 - 1))
     return [o if o.dtype == s.dtype else o.to(s.dtype) for o, s in zip(outs, sums)]

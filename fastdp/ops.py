@@ -155,12 +155,14 @@ def embedding_sq_norms_ref(
 
 
 def noisy_average_ref(
-    sums: Sequence[torch.Tensor], std: float, divisor: float, seed: int
+    sums: Sequence[torch.Tensor], std: float, divisor: float, seed: int, inplace: bool = False
 ) -> List[torch.Tensor]:
     """``(s + std * z) / divisor`` for every tensor, ``z ~ N(0, I)`` drawn from ``seed``.
 
     One generator seeded once per call draws the parameters' noise one after another,
     so streams of distinct parameters and of distinct seeds are independent.
+    ``inplace=True`` lets an implementation write the result into ``sums`` (which the
+    caller then no longer uses); the returned list is the result either way.
     """
     if not sums:
         return []
@@ -170,9 +172,9 @@ def noisy_average_ref(
     for s in sums:
         if std > 0:
             z = torch.randn(s.shape, generator=gen, dtype=s.dtype, device=s.device)
-            out.append(s.add(z, alpha=std).div_(divisor))
+            out.append((s.add_(z, alpha=std) if inplace else s.add(z, alpha=std)).div_(divisor))
         else:
-            out.append(s / divisor)
+            out.append(s.div_(divisor) if inplace else s / divisor)
     return out
 
 
@@ -200,8 +202,8 @@ def embedding_sq_norms(ids: torch.Tensor, g: torch.Tensor, padding_idx: Optional
 
 
 def noisy_average(
-    sums: Sequence[torch.Tensor], std: float, divisor: float, seed: int
+    sums: Sequence[torch.Tensor], std: float, divisor: float, seed: int, inplace: bool = False
 ) -> List[torch.Tensor]:
     if not sums:
         return []
-    return _call("noisy_average", sums[0].device, sums, std, divisor, seed)
+    return _call("noisy_average", sums[0].device, sums, std, divisor, seed, inplace=inplace)

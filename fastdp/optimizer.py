@@ -150,7 +150,7 @@ class DPOptimizer(torch.optim.Optimizer):
         """``(sums + N(0, noise_std^2 I)) / divisor``, from the seeded stream or, in secure mode, OS entropy."""
         if self.secure_mode:
             return secure.secure_noisy_average(sums, self.noise_std, divisor)
-        return ops.noisy_average(sums, self.noise_std, divisor, self.next_seed())
+        return ops.noisy_average(sums, self.noise_std, divisor, self.next_seed(), inplace=True)
 
     def privatise_grads(self) -> None:
         """Write ``(sum of clipped grads + N(0, (sigma C)^2)) / expected_batch_size`` into ``.grad``."""

@@ -179,11 +179,12 @@ def _store_noisy(src, dst, offs, n, z, std, divisor):
 
 
 def noisy_average_triton(
-    sums: Sequence[torch.Tensor], std: float, divisor: float, seed: int, groups_per_prog: int = 4
+    sums: Sequence[torch.Tensor], std: float, divisor: float, seed: int, inplace: bool = False,
+    groups_per_prog: int = 4,
 ) -> List[torch.Tensor]:
     """Multi-tensor fused noise: one launch per dtype for all tensors of ``sums``."""
-    outs = [torch.empty_like(s, memory_format=torch.contiguous_format) for s in sums]
     srcs = [s.contiguous() for s in sums]
+    outs = srcs if inplace else [torch.empty_like(s) for s in srcs]
     by_dtype = {}
     for k, s in enumerate(srcs):
         if s.numel():

@@ -127,6 +127,25 @@ def test_noise_kernels_match_stream_reference(tri, sizes, dtype, seed, std, divi
             torch.testing.assert_close(o.double(), r.double(), rtol=tol, atol=tol * (1 + std) / divisor)
 
 
+@pytest.mark.parametrize("std", [0.0, 1.5])
+def test_noise_inplace_equals_out_of_place(tri, std):
+    """``inplace=True`` (what the optimizer uses) gives the same numbers, written into the sums."""
+    sums = [torch.randn(3000), torch.randn(7, 5), torch.randn(1, dtype=torch.float64)]
+    impls = {"reference": ops.noisy_average_ref, "native": native.noisy_average,
+             "triton": tri["noise"].noisy_average_triton}
+    if cuda_native():
+        impls["cuda-c++"] = cuda_native()
+    for name, impl in impls.items():
+        device = TRITON_DEVICE if name in ("triton", "cuda-c++") else "cpu"
+        fresh = [s.to(device) for s in sums]
+        want = impl(fresh, std, 3.0, 9)
+        assert all(torch.equal(f.cpu(), s) for f, s in zip(fresh, sums)), name  # untouched
+        got = impl(fresh, std, 3.0, 9, inplace=True)
+        for g, w, f in zip(got, want, fresh):
+            assert torch.equal(g, w), name
+            assert g.data_ptr() == f.data_ptr(), name  # written in place
+
+
 def test_native_noise_shapes_and_layouts():
     """Non-contiguous and n-d tensors are handled; std=0 is the plain average."""
     s = torch.randn(6, 5).t()
