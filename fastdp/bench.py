@@ -6,7 +6,7 @@ neither warm-up nor allocator state leaks from one method into the next. Each me
 reported as a ratio to the non-private step measured in the same run.
 
 Methods: ``nonprivate`` (plain autograd + SGD), ``fastdp-<backend>`` (one backward pass,
-``FASTDP_BACKEND`` set in the subprocess), ``loop`` (one backward per sample, clip, sum,
+``FASTDP_BACKEND`` set in the subprocess; ``auto`` is the default per-op choice), ``loop`` (one backward per sample, clip, sum,
 noise), ``vmap`` (``torch.func`` per-sample gradients), ``opacus-hooks`` and
 ``opacus-ghost`` (Opacus' two-backward ghost clipping), ``bf16-nonprivate`` and
 ``bf16-fastdp`` (the step under bfloat16 autocast), ``ddp2-fastdp`` (two gloo processes on
@@ -184,7 +184,7 @@ CONFIGS: Dict[str, tuple] = {
 
 # ----------------------------------------------------------------------------- methods
 
-METHODS = ("nonprivate", "fastdp-reference", "fastdp-native", "fastdp-triton", "loop", "vmap",
+METHODS = ("nonprivate", "fastdp-auto", "fastdp-reference", "fastdp-native", "fastdp-triton", "loop", "vmap",
            "opacus-hooks", "opacus-ghost", "bf16-nonprivate", "bf16-fastdp", "ddp2-fastdp")
 DDP_WORLD = 2
 _OPACUS_HINT = "Opacus is not installed: pip install 'fastdp[bench]' (opacus==1.6.0)"
@@ -607,7 +607,9 @@ def _cpu_name() -> str:
 
 
 def _default_methods(device: str) -> List[str]:
-    return [m for m in METHODS if m != "fastdp-triton" or device == "cuda"]
+    """On CPU the default backend choice is ``native`` for every op, so ``fastdp-auto`` would
+    repeat ``fastdp-native``; Triton runs on CUDA only."""
+    return [m for m in METHODS if m not in ("fastdp-auto", "fastdp-triton") or device == "cuda"]
 
 
 def _split(value: Optional[str], choices, what: str) -> Optional[List[str]]:
