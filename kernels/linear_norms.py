@@ -118,8 +118,8 @@ def _tile_pairs(n_tiles: int, device: torch.device):
 
 
 # Default (block_t, block_k, num_warps, num_stages) per input dtype, picked on an H100 from
-# bench/gpu_profile.py's variants (float32 with 3xTF32 products: 1.3-4.2x faster than the
-# batched-Gram route at 4e-7 relative error; see bench/RESULTS.md).
+# bench/gpu_profile.py's variants (float32 with 3xTF32 products: 1.5-4.2x faster than the
+# batched-Gram route at <1e-6 relative error; bench/gpu-h100/).
 _GHOST_TILES = {torch.float32: (64, 32, 4, 3), torch.bfloat16: (128, 64, 8, 4), torch.float16: (128, 64, 8, 4),
                 torch.float64: (64, 32, 4, 2)}
 

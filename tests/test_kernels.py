@@ -319,7 +319,7 @@ def test_gpu_noise_kernels_match_stream_at_scale(tri):
 def test_cuda_dispatch_and_forced_backends(monkeypatch):
     monkeypatch.delenv("FASTDP_BACKEND", raising=False)
     chosen = {op: ops.implementation(op, torch.device("cuda"))[0] for op in ops._REFERENCE}
-    assert chosen == {"linear_sq_norms_ghost": "triton", "linear_sq_norms_direct": "reference",
+    assert chosen == {"linear_sq_norms_ghost": "reference", "linear_sq_norms_direct": "reference",
                       "embedding_sq_norms": "triton", "noisy_average": "native"}
     monkeypatch.setenv("FASTDP_BACKEND", "native")
     assert ops.implementation("noisy_average", torch.device("cuda"))[0] == "native"
