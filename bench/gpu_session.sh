@@ -3,7 +3,7 @@
 # build the extensions in place, run the GPU tests, time the kernels and the engine.
 # Logs go to $OUT (the lender's output folder) or /tmp/fastdp-gpu.
 #   bash bench/gpu_session.sh [tests|kernels|engine|ghost|profile ...]   (default: the first three)
-# CONFIGS=a,b and MIN_TIME=s narrow the engine benchmark.
+# CONFIGS=a,b, METHODS=m,n and MIN_TIME=s narrow the engine benchmark.
 set -uo pipefail
 OUT=${OUT:-/tmp/fastdp-gpu}
 mkdir -p "$OUT"
@@ -21,7 +21,7 @@ for step in $steps; do
     tests) python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_cuda.py 2>&1 | tee "$OUT/tests.log" | tail -15 ;;
     kernels) python3 bench/kernels_table.py --cuda 2>&1 | tee "$OUT/kernels.txt" ;;
     engine) python3 -m fastdp bench --device cuda --min-time "${MIN_TIME:-1.0}" --budget 20 ${CONFIGS:+--configs $CONFIGS} \
-              --methods fastdp-reference,fastdp-triton,fastdp-native,vmap,opacus-hooks,opacus-ghost,bf16-nonprivate,bf16-fastdp \
+              --methods ${METHODS:-fastdp-auto,fastdp-native,opacus-hooks,opacus-ghost,bf16-nonprivate,bf16-fastdp} \
               --markdown "$OUT/bench.md" --json "$OUT/bench.json" 2>&1 | tee "$OUT/engine.log" | tail -70 ;;
     ghost) python3 bench/gpu_profile.py ghost 2>&1 | tee "$OUT/ghost.txt" ;;
     profile) python3 bench/gpu_profile.py step mlp cifar-cnn-gn transformer 2>&1 | tee "$OUT/profile.txt" | grep "^==" ;;
