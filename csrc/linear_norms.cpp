@@ -12,15 +12,7 @@
 #include <type_traits>
 #include <vector>
 
-// The hot functions are compiled for AVX-512 and AVX2 besides the baseline ISA and picked
-// at load time (GCC/Clang function multi-versioning on x86-64 ELF): wide vectors where the
-// CPU has them, never required. Same as simd.h's FASTDP_MULTIVERSION, kept local so that
-// this file does not depend on that header while it is being reworked.
-#if defined(__x86_64__) && defined(__ELF__) && (defined(__GNUC__) || defined(__clang__))
-#define LINEAR_NORMS_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define LINEAR_NORMS_CLONES
-#endif
+#include "simd.h"  // FASTDP_MULTIVERSION: AVX-512 / AVX2 / baseline clones, picked at load time
 
 namespace fastdp {
 namespace {
@@ -211,13 +203,13 @@ __attribute__((always_inline)) inline double ghost_tile(const F* a, int64_t sat,
   return total;
 }
 
-LINEAR_NORMS_CLONES double ghost_tile_f32(const float* a, int64_t sat, int64_t sad, int64_t d, const float* g,
+FASTDP_MULTIVERSION double ghost_tile_f32(const float* a, int64_t sat, int64_t sad, int64_t d, const float* g,
                                           int64_t sgt, int64_t sgp, int64_t p, int64_t seq, int64_t t0, int64_t t1,
                                           float* pa, float* pg, Vec<float>* ga, Vec<float>* gg) {
   return ghost_tile(a, sat, sad, d, g, sgt, sgp, p, seq, t0, t1, pa, pg, ga, gg);
 }
 
-LINEAR_NORMS_CLONES double ghost_tile_f64(const double* a, int64_t sat, int64_t sad, int64_t d, const double* g,
+FASTDP_MULTIVERSION double ghost_tile_f64(const double* a, int64_t sat, int64_t sad, int64_t d, const double* g,
                                           int64_t sgt, int64_t sgp, int64_t p, int64_t seq, int64_t t0, int64_t t1,
                                           double* pa, double* pg, Vec<double>* ga, Vec<double>* gg) {
   return ghost_tile(a, sat, sad, d, g, sgt, sgp, p, seq, t0, t1, pa, pg, ga, gg);
@@ -263,13 +255,13 @@ __attribute__((always_inline)) inline double direct_tile(const F* a, int64_t sat
   return lane_sum<F>(sum);
 }
 
-LINEAR_NORMS_CLONES double direct_tile_f32(const float* a, int64_t sat, int64_t sad, const float* g, int64_t sgt,
+FASTDP_MULTIVERSION double direct_tile_f32(const float* a, int64_t sat, int64_t sad, const float* g, int64_t sgt,
                                            int64_t sgp, int64_t seq, int64_t j0, int64_t j1, int64_t k0, int64_t k1,
                                            float* pa, Vec<float>* tile) {
   return direct_tile(a, sat, sad, g, sgt, sgp, seq, j0, j1, k0, k1, pa, tile);
 }
 
-LINEAR_NORMS_CLONES double direct_tile_f64(const double* a, int64_t sat, int64_t sad, const double* g,
+FASTDP_MULTIVERSION double direct_tile_f64(const double* a, int64_t sat, int64_t sad, const double* g,
                                            int64_t sgt, int64_t sgp, int64_t seq, int64_t j0, int64_t j1, int64_t k0,
                                            int64_t k1, double* pa, Vec<double>* tile) {
   return direct_tile(a, sat, sad, g, sgt, sgp, seq, j0, j1, k0, k1, pa, tile);
