@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from fastdp import ops
 
 native = pytest.importorskip("fastdp._native_ops", reason="native extension not built")
-KERNELS = {"ghost": native.linear_sq_norms_ghost, "direct": native.linear_sq_norms_direct}
+KERNELS = {"ghost": native.linear_sq_norms_ghost_kernel, "direct": native.linear_sq_norms_direct}
 TOL = {torch.float32: 2e-6, torch.float64: 1e-12}
 
 
@@ -80,5 +80,14 @@ def test_registered_forced_and_auto(monkeypatch, backend):
         monkeypatch.delenv("FASTDP_BACKEND", raising=False)
     else:
         monkeypatch.setenv("FASTDP_BACKEND", backend)
-    for name, kernel in KERNELS.items():
-        assert ops.implementation(f"linear_sq_norms_{name}", torch.device("cpu")) == ("native", kernel)
+    registered = {"ghost": native.linear_sq_norms_ghost, "direct": native.linear_sq_norms_direct}
+    for name, fn in registered.items():
+        assert ops.implementation(f"linear_sq_norms_{name}", torch.device("cpu")) == ("native", fn)
+
+
+def test_short_sequences_use_the_batched_gram_route():
+    """Below GHOST_MIN_SEQ rows the dispatched ghost norm is the reference (faster there)."""
+    a, g = torch.randn(6, native.GHOST_MIN_SEQ - 1, 9), torch.randn(6, native.GHOST_MIN_SEQ - 1, 5)
+    assert torch.equal(native.linear_sq_norms_ghost(a, g), ops.linear_sq_norms_ghost_ref(a, g))
+    a, g = torch.randn(6, native.GHOST_MIN_SEQ, 9), torch.randn(6, native.GHOST_MIN_SEQ, 5)
+    assert torch.equal(native.linear_sq_norms_ghost(a, g), native.linear_sq_norms_ghost_kernel(a, g))
