@@ -35,3 +35,16 @@ def test_bench_quick_json(tmp_path, capsys):
 def test_bench_rejects_unknown_method():
     with pytest.raises(SystemExit, match="unknown method"):
         main(["bench", "--methods", "nope"])
+
+
+def test_kernel_microbenchmarks_run_once():
+    """bench/test_kernel_benchmarks.py (pytest-benchmark), each case run once without timing:
+    its rows compute the same numbers and none of them is broken."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench_file = Path(__file__).resolve().parents[1] / "bench" / "test_kernel_benchmarks.py"
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--benchmark-disable",
+                           str(bench_file)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

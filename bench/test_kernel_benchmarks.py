@@ -1,0 +1,89 @@
+"""pytest-benchmark microbenchmarks of the CPU kernels, each beside the PyTorch composite for
+the same math and the naive per-example loop. Not part of the test suite:
+
+    .venv/bin/python -m pytest bench/test_kernel_benchmarks.py --benchmark-only \
+        --benchmark-group-by=group --benchmark-columns=min,median,rounds
+
+Within a group, pytest-benchmark prints each row's time relative to the fastest in
+parentheses: those ratios are the result (absolute times move with the machine's load).
+"""
+import pytest
+import torch
+
+from fastdp import ops
+
+native = pytest.importorskip("fastdp._native_ops", reason="native extension not built")
+
+NOISE_SIZES = {"1M": [1 << 20], "8M": [1 << 23], "257 tensors": [4096] * 256 + [1 << 20]}
+LINEAR = {"B32 T256 d256 p256": (32, 256, 256, 256), "B64 T64 d512 p512": (64, 64, 512, 512)}
+EMBEDDING = {"B64 T128 D256 V1000": (64, 128, 256, 1000)}
+
+
+def _noise_loop(sums, std, divisor):
+    """One draw and one add per parameter, as a plain training loop would do it."""
+    return [(s + torch.randn_like(s) * std) / divisor for s in sums]
+
+
+@pytest.mark.parametrize("impl", ["loop", "composite", "native", "native in place"])
+@pytest.mark.parametrize("size", list(NOISE_SIZES))
+def test_noise(benchmark, size, impl):
+    benchmark.group = f"noise {size}"
+    sums = [torch.randn(n) for n in NOISE_SIZES[size]]
+    run = {
+        "loop": lambda: _noise_loop(sums, 1.3, 7.0),
+        "composite": lambda: ops.noisy_average_ref(sums, 1.3, 7.0, 11),
+        "native": lambda: native.noisy_average(sums, 1.3, 7.0, 11),
+        "native in place": lambda: native.noisy_average(sums, 1.3, 7.0, 11, inplace=True),
+    }[impl]
+    benchmark(run)
+
+
+def _norms_loop(a, g):
+    """Per-example loop: instantiate each sample's (p, d) gradient and take its norm."""
+    return torch.stack([(g[i].t() @ a[i]).square().sum().double() for i in range(a.shape[0])])
+
+
+@pytest.mark.parametrize("impl", ["loop", "bmm ghost", "bmm direct", "native ghost", "native direct"])
+@pytest.mark.parametrize("shape", list(LINEAR))
+def test_linear_norms(benchmark, shape, impl):
+    benchmark.group = f"linear norms {shape}"
+    b, t, d, p = LINEAR[shape]
+    a, g = torch.randn(b, t, d), torch.randn(b, t, p)
+    fn = {"loop": _norms_loop, "bmm ghost": ops.linear_sq_norms_ghost_ref,
+          "bmm direct": ops.linear_sq_norms_direct_ref, "native ghost": native.linear_sq_norms_ghost_kernel,
+          "native direct": native.linear_sq_norms_direct}[impl]
+    benchmark(fn, a, g)
+
+
+def _embedding_loop(ids, g):
+    """Per-example loop: scatter each sample's rows into a dense (V, D) gradient."""
+    vocab = int(ids.max()) + 1
+    out = []
+    for i in range(ids.shape[0]):
+        dense = g.new_zeros(vocab, g.shape[-1]).index_add_(0, ids[i], g[i])
+        dense[0] = 0  # padding_idx 0
+        out.append(dense.square().sum().double())
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("impl", ["loop", "reference", "native"])
+@pytest.mark.parametrize("shape", list(EMBEDDING))
+def test_embedding_norms(benchmark, shape, impl):
+    benchmark.group = f"embedding norms {shape}"
+    b, t, dim, vocab = EMBEDDING[shape]
+    ids, g = torch.randint(0, vocab, (b, t)), torch.randn(b, t, dim)
+    fn = {"loop": _embedding_loop, "reference": lambda i, x: ops.embedding_sq_norms_ref(i, x, 0),
+          "native": lambda i, x: native.embedding_sq_norms(i, x, 0)}[impl]
+    benchmark(fn, ids, g)
+
+
+def test_references_agree():
+    """The rows above compute the same numbers (so the ratios compare like with like)."""
+    a, g = torch.randn(4, 70, 33), torch.randn(4, 70, 20)
+    want = _norms_loop(a.double(), g.double())
+    for fn in (ops.linear_sq_norms_ghost_ref, ops.linear_sq_norms_direct_ref,
+               native.linear_sq_norms_ghost_kernel, native.linear_sq_norms_direct):
+        torch.testing.assert_close(fn(a, g), want, rtol=1e-5, atol=0)
+    ids, e = torch.randint(0, 9, (5, 30)), torch.randn(5, 30, 7, dtype=torch.float64)
+    torch.testing.assert_close(_embedding_loop(ids, e), ops.embedding_sq_norms_ref(ids, e, 0))
+    torch.testing.assert_close(native.embedding_sq_norms(ids, e, 0), ops.embedding_sq_norms_ref(ids, e, 0))
