@@ -54,10 +54,11 @@ cuda-check:
 	  done && echo "cuda-check: compiled $$(ls csrc/*.cu | wc -l) CUDA source(s)"; \
 	else echo "cuda-check: skipped (no nvcc or no .cu sources)"; fi
 
-# The CUDA kernels as a shared library for fastdp/_cuda_ops.py (on a machine with a GPU).
-CUDA_ARCH ?= sm_90
+# The CUDA kernels as a shared library for fastdp/_cuda_ops.py (on a machine with a GPU):
+# machine code for Hopper plus PTX that any GPU from Turing (sm_75) on compiles at load time.
+CUDA_GENCODE ?= -gencode arch=compute_90,code=sm_90 -gencode arch=compute_75,code=compute_75
 cuda-lib:
-	nvcc -std=c++17 -O3 -arch=$(CUDA_ARCH) -Xcompiler -fPIC -shared csrc/noise.cu -o fastdp/_cuda_noise.so
+	nvcc -std=c++17 -O3 $(CUDA_GENCODE) -Xcompiler -fPIC -shared csrc/noise.cu -o fastdp/_cuda_noise.so
 
 bench: install
 	$(PY) -m fastdp bench

@@ -61,6 +61,18 @@ def noisy_average(sums: Sequence[torch.Tensor], std: float, divisor: float, seed
     return [o if o.dtype == s.dtype else o.to(s.dtype) for o, s in zip(outs, sums)]
 
 
+def _check_runs() -> None:
+    """One tiny launch, so a library built for another GPU fails here (ImportError: the
+    dispatcher falls back to the other backends) rather than in the middle of training."""
+    probe = torch.arange(4.0, device="cuda")
+    try:
+        torch.testing.assert_close(noisy_average([probe], 0.0, 2.0, 0)[0], probe / 2)
+        torch.cuda.synchronize()
+    except Exception as exc:
+        raise ImportError(f"{LIBRARY.name} does not run on this GPU ({exc}); rebuild it: make cuda-lib") from exc
+
+
 if torch.cuda.is_available():
     _LIB = _load()
+    _check_runs()
     ops.register("noisy_average", "native", "cuda")(noisy_average)

@@ -28,6 +28,8 @@ import triton.language as tl
 from kernels.reductions import block_sum
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# TF32 tensor cores (for the "tf32x3" float32 products) exist from compute capability 8.0 on.
+_HAS_TF32 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
 
 
 @triton.jit
@@ -96,7 +98,7 @@ def _dot_config(dtype: torch.dtype, float32_precision: str = "ieee") -> dict:
     if dtype == torch.float64:
         return dict(ACC=tl.float64, PRECISION="ieee", UPCAST=False)
     half = dtype in (torch.bfloat16, torch.float16)
-    precision = None if half else ("ieee" if _INTERPRETED else float32_precision)
+    precision = None if half else ("ieee" if _INTERPRETED or not _HAS_TF32 else float32_precision)
     return dict(ACC=tl.float32, PRECISION=precision, UPCAST=half and _INTERPRETED)
 
 
