@@ -192,15 +192,19 @@ def noisy_average_triton(
     per_prog = 4 * GROUP * groups_per_prog
     for members in by_dtype.values():
         device = srcs[members[0]].device
-        progs = [-(-srcs[k].numel() // per_prog) for k in members]
-        table = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)
-        prog_tensor = torch.repeat_interleave(table(list(range(len(members)))), table(progs))
-        first = torch.cumsum(table(progs), 0) - table(progs)
-        prog_group = (torch.arange(prog_tensor.numel(), device=device) - first[prog_tensor]) * groups_per_prog
-        _noisy_average_kernel[(prog_tensor.numel(),)](
-            srcs[members[0]], table([srcs[k].data_ptr() for k in members]),
-            table([outs[k].data_ptr() for k in members]), table([srcs[k].numel() for k in members]),
-            table(members), prog_tensor, prog_group, seed & _MASK32, (seed >> 32) & _MASK32, float(std), float(divisor),
+        # Both tables are built on the host and sent in one copy each (no device-side
+        # repeat_interleave, whose output size would need a host sync).
+        tensors = torch.tensor([[srcs[k].data_ptr() for k in members], [outs[k].data_ptr() for k in members],
+                                [srcs[k].numel() for k in members], members], dtype=torch.int64)
+        progs = -(-tensors[2] // per_prog)
+        prog_tensor = torch.repeat_interleave(torch.arange(len(members)), progs)
+        first = torch.cumsum(progs, 0) - progs
+        prog_group = (torch.arange(prog_tensor.numel()) - first[prog_tensor]) * groups_per_prog
+        tensors = tensors.to(device)
+        programs = torch.stack([prog_tensor, prog_group]).to(device)
+        _noisy_average_kernel[(programs.shape[1],)](
+            srcs[members[0]], tensors[0], tensors[1], tensors[2], tensors[3], programs[0], programs[1],
+            seed & _MASK32, (seed >> 32) & _MASK32, float(std), float(divisor),
             GROUP=GROUP, GROUPS_PER_PROG=groups_per_prog,
         )
     return outs
