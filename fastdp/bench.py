@@ -6,8 +6,9 @@ neither warm-up nor allocator state leaks from one method into the next. Each me
 reported as a ratio to the non-private step measured in the same run.
 
 Methods: ``nonprivate`` (plain autograd + SGD), ``fastdp-<backend>`` (one backward pass,
-``FASTDP_BACKEND`` set in the subprocess; ``auto`` is the default per-op choice), ``loop`` (one backward per sample, clip, sum,
-noise), ``vmap`` (``torch.func`` per-sample gradients), ``opacus-hooks`` and
+``FASTDP_BACKEND`` set in the subprocess; ``auto`` is the default per-op choice), ``loop``
+(one backward per sample, clip, sum, noise), ``vmap`` (``torch.func`` per-sample
+gradients), ``opacus-hooks`` and
 ``opacus-ghost`` (Opacus' two-backward ghost clipping), ``bf16-nonprivate`` and
 ``bf16-fastdp`` (the step under bfloat16 autocast), ``ddp2-fastdp`` (two gloo processes on
 halves of the same global batch, ``DistributedDPOptimizer``). All use sigma = 1, C = 1, SGD.
