@@ -3,6 +3,11 @@
 Each policy maps ``{param: (B,) squared norm}`` to ``{param: (B,) coefficient}`` (float64)
 and states its sensitivity: the largest L2 norm one sample's clipped gradient can have,
 which scales the noise (std = noise_multiplier * sensitivity on the sum).
+
+``scale``: the norms given are of the per-sample gradients divided by ``scale`` (a mean
+loss divides them by the batch size), and the coefficients returned apply to those divided
+gradients: ``scale * c(scale^2 * sq_norms)``. Flat and automatic clipping return one tensor
+shared by all parameters.
 """
 from __future__ import annotations
 
@@ -25,11 +30,13 @@ class FlatClipping:
     def sensitivity(self) -> float:
         return self.max_grad_norm
 
-    def total_norms(self, sq_norms: Mapping[object, torch.Tensor]) -> torch.Tensor:
-        return torch.stack(list(sq_norms.values())).sum(0).sqrt()
+    @staticmethod
+    def total_norms(sq_norms: Mapping[object, torch.Tensor], scale: float = 1.0) -> torch.Tensor:
+        """Per-sample norm of the whole (undivided) gradient, ``(B,)``."""
+        return torch.stack(list(sq_norms.values())).sum(0).sqrt_().mul_(scale)
 
-    def coefficients(self, sq_norms: Mapping[object, torch.Tensor]) -> Dict[object, torch.Tensor]:
-        coef = (self.max_grad_norm / (self.total_norms(sq_norms) + EPS)).clamp(max=1.0)
+    def coefficients(self, sq_norms: Mapping[object, torch.Tensor], scale: float = 1.0) -> Dict[object, torch.Tensor]:
+        coef = (self.max_grad_norm / (self.total_norms(sq_norms, scale) + EPS)).clamp_(max=1.0).mul_(scale)
         return {p: coef for p in sq_norms}
 
 
@@ -40,8 +47,8 @@ class AutomaticClipping(FlatClipping):
         super().__init__(max_grad_norm)
         self.gamma = _positive(gamma, "gamma")
 
-    def coefficients(self, sq_norms):
-        coef = self.max_grad_norm / (self.total_norms(sq_norms) + self.gamma)
+    def coefficients(self, sq_norms, scale: float = 1.0):
+        coef = (self.max_grad_norm / (self.total_norms(sq_norms, scale) + self.gamma)).mul_(scale)
         return {p: coef for p in sq_norms}
 
 
@@ -69,8 +76,9 @@ class PerLayerClipping:
     def sensitivity(self) -> float:
         return math.sqrt(sum(c * c for c in self.bounds.values()))
 
-    def coefficients(self, sq_norms):
-        return {p: (self.bounds[p] / (n.sqrt() + EPS)).clamp(max=1.0) for p, n in sq_norms.items()}
+    def coefficients(self, sq_norms, scale: float = 1.0):
+        return {p: (self.bounds[p] / (n.sqrt() * scale + EPS)).clamp_(max=1.0).mul_(scale)
+                for p, n in sq_norms.items()}
 
 
 def make_clipping(mode: str, max_grad_norm, params, gamma: float = 0.01):

@@ -148,8 +148,6 @@ class GradSampleEngine:
                     sq_norms[rec.param(name)] = norms
         for p, grads in shared.items():
             sq_norms[p] = sq_norms_of(grads)
-        if scale != 1.0:
-            sq_norms = {p: n * (scale * scale) for p, n in sq_norms.items()}
 
         bad = self._nonfinite_samples(sq_norms)
         if bad is not None:
@@ -159,10 +157,7 @@ class GradSampleEngine:
             shared = {p: torch.nan_to_num(g * (~bad).view(-1, *[1] * (g.dim() - 1)), 0.0, 0.0, 0.0)
                       for p, g in shared.items()}
 
-        coefs = self.clipping.coefficients(sq_norms)
-        if bad is not None:
-            coefs = {p: torch.where(bad, 0.0, c) for p, c in coefs.items()}
-        coefs = {p: c * scale for p, c in coefs.items()}
+        coefs = self._in_compute_dtypes(self.clipping.coefficients(sq_norms, scale), bad)
 
         for rec in records:
             names = by_record.get(id(rec))
@@ -173,6 +168,21 @@ class GradSampleEngine:
         for p, grads in shared.items():
             self._accumulate(p, weighted_sum(coefs[p], grads))
         self.samples_seen += batch
+
+    @staticmethod
+    def _in_compute_dtypes(coefs, bad: Optional[torch.Tensor]) -> Dict[torch.Tensor, torch.Tensor]:
+        """Coefficients zeroed for dropped samples and cast once per distinct tensor to the
+        dtype the rules compute in (float32 for half-precision parameters), so parameters that
+        share one coefficient (flat clipping) share one cast."""
+        done: Dict[tuple, torch.Tensor] = {}
+        out = {}
+        for p, c in coefs.items():
+            dtype = torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
+            key = (id(c), dtype)
+            if key not in done:
+                done[key] = (c if bad is None else torch.where(bad, 0.0, c)).to(dtype)
+            out[p] = done[key]
+        return out
 
     @staticmethod
     def _summed_per_sample(uses) -> torch.Tensor:

@@ -141,8 +141,10 @@ def sq_norms_of(per_sample: torch.Tensor) -> torch.Tensor:
 
 
 def weighted_sum(coef: torch.Tensor, per_sample: torch.Tensor) -> torch.Tensor:
-    """``sum_i coef_i * per_sample[i]`` for ``coef`` (B,) and ``per_sample`` (B, ...)."""
-    return torch.einsum("b,b...->...", coef.to(per_sample.dtype), per_sample)
+    """``sum_i coef_i * per_sample[i]`` for ``coef`` (B,) and ``per_sample`` (B, ...): one
+    vector-matrix product."""
+    flat = per_sample.reshape(per_sample.shape[0], -1)
+    return (coef.to(flat.dtype) @ flat).view(per_sample.shape[1:])
 
 
 def batch_chunks(batch: int, per_sample_elements: int) -> Iterable[slice]:
