@@ -51,6 +51,7 @@ def noisy_average(sums: Sequence[torch.Tensor], std: float, divisor: float, seed
             rows.append([srcs[k].data_ptr(), outs[k].data_ptr(), srcs[k].numel(), k, first])
             first += -(-srcs[k].numel() // (4 * GROUP))
         device = srcs[members[0]].device
+        # non_blocking from pageable memory: staged before returning, and no stream sync
         table = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
         blocks = 8 * torch.cuda.get_device_properties(device).multi_processor_count
         stream = torch.cuda.current_stream(device).cuda_stream

@@ -200,8 +200,9 @@ def noisy_average_triton(
         prog_tensor = torch.repeat_interleave(torch.arange(len(members)), progs)
         first = torch.cumsum(progs, 0) - progs
         prog_group = (torch.arange(prog_tensor.numel()) - first[prog_tensor]) * groups_per_prog
-        tensors = tensors.to(device)
-        programs = torch.stack([prog_tensor, prog_group]).to(device)
+        # non_blocking from pageable memory: staged before returning, and no stream sync
+        tensors = tensors.to(device, non_blocking=True)
+        programs = torch.stack([prog_tensor, prog_group]).to(device, non_blocking=True)
         _noisy_average_kernel[(programs.shape[1],)](
             srcs[members[0]], tensors[0], tensors[1], tensors[2], tensors[3], programs[0], programs[1],
             seed & _MASK32, (seed >> 32) & _MASK32, float(std), float(divisor),
