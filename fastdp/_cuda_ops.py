@@ -7,8 +7,9 @@ library, importing it raises ImportError, so ``FASTDP_BACKEND=native`` warns onc
 falls back (see :func:`fastdp.ops._load_backends`).
 
 The noise kernel is the default for CUDA tensors (the Triton one is forced-only): on an
-H100 it ran within 1.4-1.5x of a plain copy and 2.5-8.6x faster than the PyTorch
-composite (``bench/kernels_table.py --cuda``; numbers in ``bench/RESULTS.md``).
+H100 it took 1.5-1.7x a plain copy and ran 1.7-23x faster than the PyTorch composite
+(``bench/kernels_table.py --cuda``; numbers in ``bench/RESULTS.md``). A library built
+for another GPU is caught at import by one probe launch.
 """
 from __future__ import annotations
 
