@@ -27,8 +27,9 @@ class TinyLM(nn.Module):
 def _models():
     yield "mlp", lambda: nn.Sequential(nn.Linear(30, 64), nn.ReLU(), nn.Linear(64, 10)), [(17, 30)], None
     yield "seq-linear", lambda: nn.Sequential(nn.Linear(33, 70), nn.GELU(), nn.Linear(70, 5)), [(6, 90, 33)], None
-    yield "conv-gn", lambda: nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(),
-                                           nn.Conv2d(8, 6, 3, stride=2), nn.Flatten(), nn.LazyLinear(4)), [(5, 3, 12, 12)], None
+    conv = lambda: nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(),  # noqa: E731
+                                 nn.Conv2d(8, 6, 3, stride=2), nn.Flatten(), nn.LazyLinear(4))
+    yield "conv-gn", conv, [(5, 3, 12, 12)], None
     yield "embedding-lm", TinyLM, None, (7, 33)
 
 
