@@ -4,18 +4,20 @@ The CUDA sources build into the plain shared library ``fastdp/_cuda_noise.so`` (
 cuda-lib``; no torch headers) and are called through ctypes on torch's current stream.
 On a machine without CUDA this module registers nothing; with CUDA but without the
 library, importing it raises ImportError, so ``FASTDP_BACKEND=native`` warns once and
-falls back (see :func:`fastdp.ops._load_backends`).
+falls back (see :func:`fastdp.ops._load_backends`). Importing creates no CUDA context: the
+first call on each GPU makes one probe launch, so a library built for another GPU is
+found there, with one warning, and the PyTorch reference runs instead.
 
 The noise kernel is the default for CUDA tensors (the Triton one is forced-only): on an
 H100 it took 1.5-1.7x a plain copy and ran 1.7-23x faster than the PyTorch composite
-(``bench/kernels_table.py --cuda``; numbers in ``bench/RESULTS.md``). A library built
-for another GPU is caught at import by one probe launch.
+(``bench/kernels_table.py --cuda``; numbers in ``bench/RESULTS.md``).
 """
 from __future__ import annotations
 
 import ctypes
+import warnings
 from pathlib import Path
-from typing import List, Sequence
+from typing import Dict, List, Sequence
 
 import torch
 
@@ -23,7 +25,6 @@ from fastdp import ops
 
 LIBRARY = Path(__file__).with_name("_cuda_noise.so")
 GROUP = 256  # elements per Philox counter group / 4, as in csrc/philox.h and kernels/noise.py
-_FLOATS = (torch.float32, torch.float64)
 
 
 def _load() -> ctypes.CDLL:
@@ -41,9 +42,16 @@ def _load() -> ctypes.CDLL:
 def noisy_average(sums: Sequence[torch.Tensor], std: float, divisor: float, seed: int,
                   inplace: bool = False) -> List[torch.Tensor]:
     """Fused ``(s + std z) / divisor``, one launch per dtype; stream k = position in ``sums``."""
-    srcs = [s.detach().contiguous() if s.dtype in _FLOATS else s.detach().float().contiguous() for s in sums]
+    if not _runs_on(sums[0].device):
+        return ops.noisy_average_ref(sums, std, divisor, seed, inplace=inplace)
+    return _launch(sums, std, divisor, seed, inplace)
+
+
+def _launch(sums: Sequence[torch.Tensor], std: float, divisor: float, seed: int,
+            inplace: bool) -> List[torch.Tensor]:
+    srcs = [ops.kernel_operand(s) for s in sums]
     outs = srcs if inplace else [torch.empty_like(s) for s in srcs]
-    for dtype in _FLOATS:
+    for dtype in ops.KERNEL_FLOATS:
         members = [k for k, s in enumerate(srcs) if s.dtype == dtype and s.numel()]
         if not members:
             continue
@@ -60,21 +68,30 @@ def noisy_average(sums: Sequence[torch.Tensor], std: float, divisor: float, seed
                                         seed & (2**64 - 1), float(std), float(divisor), stream)
         if err:
             raise RuntimeError(f"fastdp CUDA noise kernel failed to launch (cudaError {err})")
-    return [o if o.dtype == s.dtype else o.to(s.dtype) for o, s in zip(outs, sums)]
+    return ops.in_input_dtypes(outs, sums)
 
 
-def _check_runs() -> None:
-    """One tiny launch, so a library built for another GPU fails here (ImportError: the
-    dispatcher falls back to the other backends) rather than in the middle of training."""
-    probe = torch.arange(4.0, device="cuda")
-    try:
-        torch.testing.assert_close(noisy_average([probe], 0.0, 2.0, 0)[0], probe / 2)
-        torch.cuda.synchronize()
-    except Exception as exc:
-        raise ImportError(f"{LIBRARY.name} does not run on this GPU ({exc}); rebuild it: make cuda-lib") from exc
+_RUNS: Dict[int, bool] = {}  # device index -> the probe launch worked there
+
+
+def _runs_on(device: torch.device) -> bool:
+    """One tiny launch the first time a GPU is used, so a library built for another GPU is
+    caught once (with a warning) rather than failing in the middle of training."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _RUNS:
+        probe = torch.arange(4.0, device=device)
+        try:
+            torch.testing.assert_close(_launch([probe], 0.0, 2.0, 0, False)[0], probe / 2)
+            torch.cuda.synchronize(device)
+            _RUNS[index] = True
+        except Exception as exc:
+            warnings.warn(f"fastdp: {LIBRARY.name} does not run on {torch.cuda.get_device_name(device)} ({exc}); "
+                          "using the PyTorch noise reference. Rebuild it there: make cuda-lib",
+                          RuntimeWarning, stacklevel=3)
+            _RUNS[index] = False
+    return _RUNS[index]
 
 
 if torch.cuda.is_available():
     _LIB = _load()
-    _check_runs()
     ops.register("noisy_average", "native", "cuda")(noisy_average)

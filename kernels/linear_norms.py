@@ -19,6 +19,7 @@ float64) and accumulated across tiles in float64; float32 dots use IEEE precisio
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -28,8 +29,12 @@ import triton.language as tl
 from kernels.reductions import block_sum
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-# TF32 tensor cores (for the "tf32x3" float32 products) exist from compute capability 8.0 on.
-_HAS_TF32 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _has_tf32(device: torch.device) -> bool:
+    """TF32 tensor cores (for the "tf32x3" float32 products) exist from compute capability 8.0 on."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 @triton.jit
@@ -90,7 +95,7 @@ def _direct_kernel(a, g, partial, T, D, P, sab, sat, sad, sgb, sgt, sgp,
     tl.store(partial + i * tl.num_programs(1) + tile_p + tl.arange(0, 1), total)
 
 
-def _dot_config(dtype: torch.dtype, float32_precision: str = "ieee") -> dict:
+def _dot_config(dtype: torch.dtype, device: torch.device, float32_precision: str = "ieee") -> dict:
     """Accumulator dtype and ``tl.dot`` precision for an input dtype. Float32 uses exact
     products ("ieee") or three TF32 passes ("tf32x3", float32-level accuracy on tensor
     cores). Half-precision tiles are upcast before ``tl.dot`` only under TRITON_INTERPRET=1,
@@ -98,7 +103,7 @@ def _dot_config(dtype: torch.dtype, float32_precision: str = "ieee") -> dict:
     if dtype == torch.float64:
         return dict(ACC=tl.float64, PRECISION="ieee", UPCAST=False)
     half = dtype in (torch.bfloat16, torch.float16)
-    precision = None if half else ("ieee" if _INTERPRETED or not _HAS_TF32 else float32_precision)
+    precision = None if half else ("ieee" if _INTERPRETED or not _has_tf32(device) else float32_precision)
     return dict(ACC=tl.float32, PRECISION=precision, UPCAST=half and _INTERPRETED)
 
 
@@ -145,7 +150,7 @@ def linear_sq_norms_ghost_triton(a: torch.Tensor, g: torch.Tensor, block_t: int 
     partial = torch.empty(batch, pair_s.numel(), dtype=torch.float64, device=a.device)  # every entry is stored
     _ghost_kernel[(batch, pair_s.numel())](
         a, g, pair_s, pair_t, partial, seq, d, p, *a.stride(), *g.stride(),
-        BLOCK_T=block_t, BLOCK_K=block_k, **_dot_config(a.dtype, float32_precision),
+        BLOCK_T=block_t, BLOCK_K=block_k, **_dot_config(a.dtype, a.device, float32_precision),
         num_warps=num_warps, num_stages=num_stages,
     )
     return partial.sum(1)
@@ -164,6 +169,6 @@ def linear_sq_norms_direct_triton(
     partial = torch.empty(batch, n_tiles, dtype=torch.float64, device=a.device)  # every entry is stored
     _direct_kernel[(batch, n_tiles)](
         a, g, partial, seq, d, p, *a.stride(), *g.stride(),
-        BLOCK_P=block_p, BLOCK_D=block_d, BLOCK_T=block_t, **_dot_config(a.dtype),
+        BLOCK_P=block_p, BLOCK_D=block_d, BLOCK_T=block_t, **_dot_config(a.dtype, a.device),
     )
     return partial.sum(1)
