@@ -12,25 +12,15 @@ route allocates besides its inputs and the (B,) output: the references' bmm outp
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from kernels_table import best_ms  # bench/ is the script's directory, so on sys.path
 
 from fastdp import _native_ops as native
 from fastdp import ops
 
 SHAPES = ((32, 256, 256, 256), (16, 1024, 128, 128), (64, 64, 512, 512), (256, 16, 64, 10), (64, 49, 32, 64))
 TILE, CHUNK = 64, 64  # csrc/linear_norms.cpp: TB and TC
-
-
-def best_ms(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * min(times)
 
 
 def cdiv(n: int, k: int) -> int:

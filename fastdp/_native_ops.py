@@ -12,18 +12,9 @@ import torch
 
 from fastdp import _C, ops
 
-_NATIVE_FLOATS = (torch.float32, torch.float64)
 # Measured crossover of the native ghost norm against torch.bmm (1 and 2 threads, float32,
 # d, p from 16 to 784): 0.7-1.2x at T = 8, 1.6-2.0x at T = 16.
 GHOST_MIN_SEQ = 16
-
-
-def _as_native(t: torch.Tensor) -> torch.Tensor:
-    """Contiguous, detached float32/float64 version of ``t`` (no copy when already so)."""
-    t = t.detach()
-    if t.dtype not in _NATIVE_FLOATS:
-        t = t.float()
-    return t.contiguous()
 
 
 @ops.register("noisy_average", "native", "cpu")
@@ -33,17 +24,17 @@ def noisy_average(sums: Sequence[torch.Tensor], std: float, divisor: float, seed
     In place, the kernel writes over the (contiguous float) sums: no fresh pages to fault in."""
     if std == 0:
         return [s.div_(divisor) if inplace else s / divisor for s in sums]
-    srcs = [_as_native(s) for s in sums]
+    srcs = [ops.kernel_operand(s) for s in sums]
     outs = srcs if inplace else [torch.empty_like(s) for s in srcs]
     _C.noisy_average([s.numpy() for s in srcs], [o.numpy() for o in outs], float(std), float(divisor),
                      seed & (2**64 - 1))
-    return [o if o.dtype == s.dtype else o.to(s.dtype) for o, s in zip(outs, sums)]
+    return ops.in_input_dtypes(outs, sums)
 
 
 @ops.register("embedding_sq_norms", "native", "cpu")
 def embedding_sq_norms(ids: torch.Tensor, g: torch.Tensor, padding_idx) -> torch.Tensor:
     """Per-sample sort of the ids and segment sums of ``g`` rows in float64, OpenMP over samples."""
-    g = _as_native(g.reshape(ids.shape[0], ids.shape[1], -1))
+    g = ops.kernel_operand(g.reshape(ids.shape[0], ids.shape[1], -1))
     out = torch.empty(ids.shape[0], dtype=torch.float64)
     _C.embedding_sq_norms(ids.detach().to(torch.int64).contiguous().numpy(), g.numpy(),
                           padding_idx is not None, -1 if padding_idx is None else int(padding_idx), out.numpy())
@@ -54,7 +45,7 @@ def _linear_operands(a: torch.Tensor, g: torch.Tensor):
     """``a``, ``g`` detached in one float32/float64 dtype, strides kept (the kernels read any
     layout, so no contiguous copy), and the float64 ``(B,)`` output."""
     dtype = torch.promote_types(a.dtype, g.dtype)
-    if dtype not in _NATIVE_FLOATS:
+    if dtype not in ops.KERNEL_FLOATS:
         dtype = torch.float32
     a, g = a.detach().to(dtype), g.detach().to(dtype)
     return a.numpy(), g.numpy(), torch.empty(a.shape[0], dtype=torch.float64)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from fastdp.layers import Record, Tap, UnsupportedModuleError, rule_for
-from fastdp.layers.base import sq_norms_of, weighted_sum
+from fastdp.layers.base import compute_dtype, sq_norms_of, weighted_sum
 from fastdp.validate import validate
 
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -177,7 +177,7 @@ class GradSampleEngine:
         done: Dict[tuple, torch.Tensor] = {}
         out = {}
         for p, c in coefs.items():
-            dtype = torch.float32 if p.dtype in (torch.float16, torch.bfloat16) else p.dtype
+            dtype = compute_dtype(p.dtype)
             key = (id(c), dtype)
             if key not in done:
                 done[key] = (c if bad is None else torch.where(bad, 0.0, c)).to(dtype)

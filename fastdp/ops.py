@@ -107,6 +107,23 @@ def _call(op: str, device: torch.device, *args, **kwargs):
     return implementation(op, device)[1](*args, **kwargs)
 
 
+# --------------------------------------------------------------------------- for kernel backends
+
+KERNEL_FLOATS = (torch.float32, torch.float64)  # what the C++ and CUDA kernels compute in
+
+
+def kernel_operand(t: torch.Tensor) -> torch.Tensor:
+    """Detached, contiguous float32/float64 version of ``t`` (no copy when already so);
+    other dtypes go through float32."""
+    t = t.detach()
+    return (t if t.dtype in KERNEL_FLOATS else t.float()).contiguous()
+
+
+def in_input_dtypes(outs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+    """Each kernel result cast back to its input's dtype (no copy where it already is)."""
+    return [o if o.dtype == s.dtype else o.to(s.dtype) for o, s in zip(outs, inputs)]
+
+
 # --------------------------------------------------------------------------- references
 
 

@@ -83,9 +83,14 @@ class Tap:
                          grad_output.shape[0]))
 
 
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype per-sample quantities are computed in: float32 for half precision."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def _widen(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
-        return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        return x.to(compute_dtype(x.dtype))
     if isinstance(x, tuple):
         return tuple(_widen(v) for v in x)
     return x
