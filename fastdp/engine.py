@@ -131,21 +131,19 @@ class GradSampleEngine:
 
         uses: Dict[torch.Tensor, List[tuple]] = defaultdict(list)
         for rec in records:
-            for name in rec.names:
-                if rec.param(name) in self._private:
-                    uses[rec.param(name)].append((rec, name))
-        single = {p: u[0] for p, u in uses.items() if len(u) == 1}
+            for name, p in rec.params.items():
+                if p in self._private:
+                    uses[p].append((rec, name))
         shared = {p: self._summed_per_sample(u) for p, u in uses.items() if len(u) > 1}
+        own: Dict[Record, List[str]] = defaultdict(list)  # names whose parameter only this record used
+        for u in uses.values():
+            if len(u) == 1:
+                own[u[0][0]].append(u[0][1])
 
         sq_norms: Dict[torch.Tensor, torch.Tensor] = {}
-        by_record: Dict[int, List[str]] = defaultdict(list)
-        for p, (rec, name) in single.items():
-            by_record[id(rec)].append(name)
-        for rec in records:
-            names = by_record.get(id(rec))
-            if names:
-                for name, norms in rec.rule.sq_norms(rec, names).items():
-                    sq_norms[rec.param(name)] = norms
+        for rec, names in own.items():
+            for name, norms in rec.rule.sq_norms(rec, names).items():
+                sq_norms[rec.params[name]] = norms
         for p, grads in shared.items():
             sq_norms[p] = sq_norms_of(grads)
 
@@ -159,12 +157,10 @@ class GradSampleEngine:
 
         coefs = self._in_compute_dtypes(self.clipping.coefficients(sq_norms, scale), bad)
 
-        for rec in records:
-            names = by_record.get(id(rec))
-            if names:
-                sums = rec.rule.clipped_sums(rec, {n: coefs[rec.param(n)] for n in names})
-                for name, s in sums.items():
-                    self._accumulate(rec.param(name), s)
+        for rec, names in own.items():
+            sums = rec.rule.clipped_sums(rec, {n: coefs[rec.params[n]] for n in names})
+            for name, s in sums.items():
+                self._accumulate(rec.params[name], s)
         for p, grads in shared.items():
             self._accumulate(p, weighted_sum(coefs[p], grads))
         self.samples_seen += batch

@@ -32,21 +32,25 @@ class UnsupportedModuleError(ValueError):
     """A module (or its configuration) whose per-sample gradients fastdp cannot clip exactly."""
 
 
-@dataclass
+@dataclass(eq=False)  # records are told apart by identity
 class Record:
     """One call of a hooked module, seen in one backward pass."""
 
     module: nn.Module
     rule: "LayerRule"
-    names: Tuple[str, ...]  # trainable parameters this call used
+    params: Dict[str, torch.Tensor]  # the trainable parameters this call used, by name
     activation: Any
     grad_output: Optional[torch.Tensor]
     batch_size: int = 0
     cache: Dict[str, torch.Tensor] = field(default_factory=dict)  # per-sample grads (B, *shape)
     norms: Dict[str, torch.Tensor] = field(default_factory=dict)  # squared norms found early
 
-    def param(self, name: str) -> nn.Parameter:
-        return getattr(self.module, name)
+    @property
+    def names(self) -> Tuple[str, ...]:
+        return tuple(self.params)
+
+    def param(self, name: str) -> torch.Tensor:
+        return self.params[name]
 
     def release(self) -> None:
         """Drop the activation and output gradient once everything needed is in ``cache``."""
@@ -79,7 +83,8 @@ class Tap:
     def fire(self, activation: Any, grad_output: torch.Tensor) -> None:
         """Hand over what backward saw; half-precision tensors are widened to float32 so that
         norms, coefficients and clipped sums all accumulate in float32 (mixed precision)."""
-        self.sink(Record(self.module, self.rule, self.names, _widen(activation), _widen(grad_output),
+        params = {name: getattr(self.module, name) for name in self.names}
+        self.sink(Record(self.module, self.rule, params, _widen(activation), _widen(grad_output),
                          grad_output.shape[0]))
 
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from fastdp import ops
 from fastdp.layers import register
-from fastdp.layers.base import (LayerRule, Record, Tap, UnsupportedModuleError, batch_chunks, expand_like,
+from fastdp.layers.base import (LayerRule, Record, Tap, UnsupportedModuleError, batch_chunks,
                                 sq_norms_of, weighted_sum)
 
 
@@ -86,35 +86,52 @@ class LinearRule(LayerRule):
             )
         return _LinearFn.apply(x, module.weight, module.bias, tap)
 
+    def prepare(self, rec: Record) -> None:
+        rec.activation, rec.grad_output = as_3d(rec.activation), as_3d(rec.grad_output)
+
     def sq_norms(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
-        a, g = as_3d(rec.activation), as_3d(rec.grad_output)
+        a, g = rec.activation, rec.grad_output
         out = {}
+        if a.shape[1] == 1:  # one row per sample: the bias gradient is g_i, the weight's g_i a_i^T
+            g_sq = sq_norms_of(g)
+            for name in names:
+                out[name] = sq_norms_of(a) * g_sq if name == "weight" else g_sq
+            return out
         for name in names:
             if name == "weight":
                 out[name] = sq_norms_3d(a, g)
-            else:  # the bias's per-sample gradients are small: keep them for clipped_sums
+            else:  # the bias's per-sample gradients are small: sum over T once
                 out[name] = sq_norms_of(self.cached_grads(rec, [name])[name])
         return out
 
     def per_sample_grads(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
-        a, g = as_3d(rec.activation), as_3d(rec.grad_output)
+        a, g = rec.activation, rec.grad_output
         grads = {"weight": lambda: torch.bmm(g.transpose(1, 2), a.to(g.dtype)), "bias": lambda: g.sum(1)}
         return {name: grads[name]() for name in names}
 
     def clipped_sums(self, rec: Record, coefs: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        a, g = as_3d(rec.activation), as_3d(rec.grad_output)
+        """The weight's sum is one GEMM over the B*T rows of ``a`` and ``g``, the narrower
+        operand scaled by its sample's coefficient; the bias's one vector-matrix product."""
+        a, g = rec.activation, rec.grad_output
+        dtype = torch.promote_types(a.dtype, g.dtype)
+        a2, g2 = a.reshape(-1, a.shape[-1]).to(dtype), g.reshape(-1, g.shape[-1]).to(dtype)
         out = {}
         if "weight" in coefs:
-            a2, g2 = a.reshape(-1, a.shape[-1]), g.reshape(-1, g.shape[-1])
-            c = expand_like(coefs["weight"], a).expand(-1, a.shape[1], 1).reshape(-1, 1)
-            # Scale the narrower of the two operands.
+            c = _per_row(coefs["weight"], a.shape[1], dtype).unsqueeze(1)
             if a2.shape[1] <= g2.shape[1]:
-                out["weight"] = g2.t().mm((a2 * c.to(a2.dtype)).to(g2.dtype))
+                out["weight"] = g2.t().mm(a2 * c)
             else:
-                out["weight"] = (g2 * c.to(g2.dtype)).t().mm(a2.to(g2.dtype))
-        if "bias" in coefs:
-            out["bias"] = weighted_sum(coefs["bias"], self.cached_grads(rec, ["bias"])["bias"])
+                out["weight"] = (g2 * c).t().mm(a2)
+        if "bias" in coefs:  # T = 1: g is the per-sample bias gradient; else sum over T once
+            bias = g2 if a.shape[1] == 1 else self.cached_grads(rec, ["bias"])["bias"]
+            out["bias"] = weighted_sum(coefs["bias"], bias)
         return out
+
+
+def _per_row(coef: torch.Tensor, seq: int, dtype: torch.dtype) -> torch.Tensor:
+    """Per-sample ``coef`` (B,) repeated for each of the T rows of its sample: (B*T,)."""
+    coef = coef.to(dtype)
+    return coef if seq == 1 else coef.repeat_interleave(seq)
 
 
 register(LinearRule())
