@@ -1,4 +1,4 @@
-// Tiled per-sample linear-layer gradient norms (see linear_norms.h).
+// Tiled per-sample linear-layer and 2-D convolution gradient norms (see linear_norms.h).
 //
 // Both routes share one register-blocked micro-kernel: MR rows, each one 64-byte vector of
 // W lanes (16 floats / 8 doubles) wide, accumulated over a reduction axis of length n from a
@@ -331,5 +331,91 @@ template void linear_sq_norms_ghost<float>(const Strided3<float>&, const Strided
 template void linear_sq_norms_ghost<double>(const Strided3<double>&, const Strided3<double>&, double*);
 template void linear_sq_norms_direct<float>(const Strided3<float>&, const Strided3<float>&, double*);
 template void linear_sq_norms_direct<double>(const Strided3<double>&, const Strided3<double>&, double*);
+
+namespace {
+
+// Sample i's patches for one group as a (d, T) matrix: cols[(c * KH + ki) * KW + kj][oy * OW + ox]
+// = x[c, oy * sh + ki * dh - ph, ox * sw + kj * dw - pw], zero outside the image. `x` points
+// at the group's first channel of the sample.
+template <typename F>
+void unfold_sample(const F* x, const Conv2dGeometry& c, int64_t channels, F* cols) {
+  const int64_t T = c.out_height * c.out_width;
+  for (int64_t ch = 0; ch < channels; ++ch)
+    for (int64_t ki = 0; ki < c.kernel_h; ++ki)
+      for (int64_t kj = 0; kj < c.kernel_w; ++kj) {
+        F* row = cols + ((ch * c.kernel_h + ki) * c.kernel_w + kj) * T;
+        const int64_t off = kj * c.dilation_w - c.pad_w;  // input column of ox = 0
+        // ox in [lo, hi) read inside the image: 0 <= ox * sw + off < W
+        const int64_t lo = std::min(c.out_width, off < 0 ? (-off + c.stride_w - 1) / c.stride_w : int64_t{0});
+        const int64_t hi = std::max(lo, std::min(c.out_width, off < c.width ? (c.width - 1 - off) / c.stride_w + 1
+                                                                             : int64_t{0}));
+        for (int64_t oy = 0; oy < c.out_height; ++oy) {
+          F* dst = row + oy * c.out_width;
+          const int64_t iy = oy * c.stride_h + ki * c.dilation_h - c.pad_h;
+          if (iy < 0 || iy >= c.height) {
+            std::fill(dst, dst + c.out_width, F(0));
+            continue;
+          }
+          const F* src = x + (ch * c.height + iy) * c.width;
+          std::fill(dst, dst + lo, F(0));
+          if (c.stride_w == 1)
+            std::copy(src + lo + off, src + hi + off, dst + lo);
+          else
+            for (int64_t ox = lo; ox < hi; ++ox) dst[ox] = src[ox * c.stride_w + off];
+          std::fill(dst + hi, dst + c.out_width, F(0));
+        }
+      }
+}
+
+}  // namespace
+
+template <typename F>
+void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& c, bool ghost, double* out) {
+  constexpr int W = kLanes<F>;
+  const int64_t groups = c.groups, cin = c.channels / groups, p = c.out_channels / groups;
+  const int64_t d = cin * c.kernel_h * c.kernel_w, T = c.out_height * c.out_width;
+  const int64_t p_pad = (p + W - 1) / W * W;
+  std::vector<double> partial(c.batch * groups);
+#pragma omp parallel
+  {
+    Scratch<F> cols(d * T), gt(T * p_pad), pa(TB * std::max(d, TC)), pg(TB * p);
+    Scratch<Vec<F>> ga(TB * TB / W), gg(TB * TB / W);
+#pragma omp for schedule(dynamic)
+    for (int64_t item = 0; item < c.batch * groups; ++item) {
+      const int64_t i = item / groups, grp = item % groups;
+      unfold_sample(x + (i * c.channels + grp * cin) * c.height * c.width, c, cin, cols.get());
+      const F* gi = g + (i * c.out_channels + grp * p) * T;  // (p, T): element [t, j] at j * T + t
+      double total = 0.0;
+      if (ghost) {
+        for (int64_t t0 = 0; t0 < T; t0 += TB) {
+          const int64_t t1 = std::min(T, t0 + TB);
+          if constexpr (sizeof(F) == 4)
+            total += ghost_tile_f32(cols.get(), 1, T, d, gi, 1, T, p, T, t0, t1, pa.get(), pg.get(), ga.get(), gg.get());
+          else
+            total += ghost_tile_f64(cols.get(), 1, T, d, gi, 1, T, p, T, t0, t1, pa.get(), pg.get(), ga.get(), gg.get());
+        }
+      } else {
+        // ||g_i^T a_i||^2 = ||a_i^T g_i||^2: the tiles run over (d, p) with vectors along p, read
+        // from g_i transposed once to (T, p_pad); the unfolded patches are the broadcast rows.
+        F* gti = gt.get();
+        for (int64_t j = 0; j < p; ++j)
+          for (int64_t t = 0; t < T; ++t) gti[t * p_pad + j] = gi[j * T + t];
+        for (int64_t j0 = 0; j0 < d; j0 += TB)
+          for (int64_t k0 = 0; k0 < p; k0 += TB) {
+            const int64_t j1 = std::min(d, j0 + TB), k1 = std::min(p, k0 + TB);
+            if constexpr (sizeof(F) == 4)
+              total += direct_tile_f32(gti, p_pad, 1, cols.get(), 1, T, T, j0, j1, k0, k1, pa.get(), ga.get());
+            else
+              total += direct_tile_f64(gti, p_pad, 1, cols.get(), 1, T, T, j0, j1, k0, k1, pa.get(), ga.get());
+          }
+      }
+      partial[item] = total;
+    }
+  }
+  sum_partials(partial, c.batch, groups, out);
+}
+
+template void conv2d_sq_norms<float>(const float*, const float*, const Conv2dGeometry&, bool, double*);
+template void conv2d_sq_norms<double>(const double*, const double*, const Conv2dGeometry&, bool, double*);
 
 }  // namespace fastdp

@@ -1,5 +1,6 @@
 // Per-sample squared norms of a linear layer's weight gradient (CPU), tiled so that neither
-// the T x T Gram matrices nor the (p, d) per-sample gradients are ever stored.
+// the T x T Gram matrices nor the (p, d) per-sample gradients are ever stored; and of a 2-D
+// convolution's, which is a linear layer on the input's patches.
 #pragma once
 #include <cstdint>
 
@@ -25,5 +26,20 @@ void linear_sq_norms_ghost(const Strided3<F>& a, const Strided3<F>& g, double* o
 // partial sums.
 template <typename F>
 void linear_sq_norms_direct(const Strided3<F>& a, const Strided3<F>& g, double* out);
+
+// A zero-padded 2-D convolution (1-D as height 1): input x (B, C, H, W) and output gradient
+// g (B, C_out, OH, OW), both C-contiguous; C and C_out divisible by groups.
+struct Conv2dGeometry {
+  int64_t batch, channels, height, width;
+  int64_t out_channels, out_height, out_width;
+  int64_t groups, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w;
+};
+
+// out[i] = squared norm of sample i's weight gradient, summed over groups. Per (sample, group)
+// the patches are unfolded into per-thread scratch (d x T, d = C / groups * kernel area,
+// T = OH * OW: never the whole batch's) and reduced with the ghost (Gram tiles) or the
+// direct (tiles of g_i^T a_i) route of the linear kernels.
+template <typename F>
+void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& geometry, bool ghost, double* out);
 
 }  // namespace fastdp

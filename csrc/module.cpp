@@ -73,6 +73,28 @@ void linear_sq_norms_t(const py::array_t<F>& a, const py::array_t<F>& g, py::arr
   kernel(av, gv, out_p);
 }
 
+// geometry: (groups, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w).
+template <typename F>
+void conv2d_sq_norms_t(const py::array_t<F, py::array::c_style>& x, const py::array_t<F, py::array::c_style>& g,
+                       const std::vector<int64_t>& geometry, bool ghost, py::array_t<double, py::array::c_style>& out) {
+  if (x.ndim() != 4 || g.ndim() != 4 || g.shape(0) != x.shape(0) || out.ndim() != 1 || out.shape(0) != x.shape(0) ||
+      geometry.size() != 9)
+    throw std::invalid_argument("expected x (B, C, H, W), g (B, C_out, OH, OW), out (B,) and 9 geometry values");
+  const fastdp::Conv2dGeometry c{x.shape(0), x.shape(1), x.shape(2), x.shape(3), g.shape(1), g.shape(2), g.shape(3),
+                                 geometry[0], geometry[1], geometry[2], geometry[3], geometry[4], geometry[5],
+                                 geometry[6], geometry[7], geometry[8]};
+  if (c.groups < 1 || c.channels % c.groups || c.out_channels % c.groups || c.kernel_h < 1 || c.kernel_w < 1 ||
+      c.stride_h < 1 || c.stride_w < 1 || c.dilation_h < 1 || c.dilation_w < 1 || c.pad_h < 0 || c.pad_w < 0 ||
+      c.out_height != (c.height + 2 * c.pad_h - c.dilation_h * (c.kernel_h - 1) - 1) / c.stride_h + 1 ||
+      c.out_width != (c.width + 2 * c.pad_w - c.dilation_w * (c.kernel_w - 1) - 1) / c.stride_w + 1)
+    throw std::invalid_argument("convolution geometry does not match the shapes of x and g");
+  const F* x_p = x.data();
+  const F* g_p = g.data();
+  double* out_p = out.mutable_data();
+  py::gil_scoped_release release;
+  fastdp::conv2d_sq_norms<F>(x_p, g_p, c, ghost, out_p);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -98,4 +120,11 @@ PYBIND11_MODULE(_C, m) {
         py::arg("a").noconvert(), py::arg("g").noconvert(), py::arg("out").noconvert(), direct_doc);
   m.def("linear_sq_norms_direct", &linear_sq_norms_t<double, fastdp::linear_sq_norms_direct<double>>,
         py::arg("a").noconvert(), py::arg("g").noconvert(), py::arg("out").noconvert(), direct_doc);
+  const char* conv_doc =
+      "out[i] = squared norm of sample i's 2-D convolution weight gradient (x (B,C,H,W), g (B,C_out,OH,OW) "
+      "C-contiguous; geometry (groups, kh, kw, sh, sw, ph, pw, dh, dw)), by the ghost or the direct route.";
+  m.def("conv2d_sq_norms", &conv2d_sq_norms_t<float>, py::arg("x").noconvert(), py::arg("g").noconvert(),
+        py::arg("geometry"), py::arg("ghost"), py::arg("out").noconvert(), conv_doc);
+  m.def("conv2d_sq_norms", &conv2d_sq_norms_t<double>, py::arg("x").noconvert(), py::arg("g").noconvert(),
+        py::arg("geometry"), py::arg("ghost"), py::arg("out").noconvert(), conv_doc);
 }

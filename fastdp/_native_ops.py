@@ -74,3 +74,32 @@ def linear_sq_norms_direct(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     a_np, g_np, out = _linear_operands(a, g)
     _C.linear_sq_norms_direct(a_np, g_np, out.numpy())
     return out
+
+
+# Largest per-thread unfolded sample (d x T elements) the fused convolution kernel takes;
+# beyond it (large images) the rule's composed routes run.
+CONV_MAX_UNFOLDED = 1 << 22
+
+
+@ops.register("conv_sq_norms", "native", "cpu")
+def conv_sq_norms(x: torch.Tensor, g: torch.Tensor, spec, ghost: bool):
+    """1-D and 2-D convolutions: each sample's patches are unfolded into per-thread scratch
+    and reduced by the ghost or direct tiles, so neither the batch's unfolded input nor its
+    per-sample gradients are ever stored. ``None`` (composed routes) for 3-D convolutions."""
+    nd = x.dim() - 2
+    if nd not in (1, 2):
+        return None
+    kernel, stride, padding, dilation = spec.kernel, spec.stride, spec.padding, spec.dilation
+    if nd == 1:  # a 1-D convolution as height 1
+        kernel, stride, padding, dilation = [1, *kernel], [1, *stride], [0, *padding], [1, *dilation]
+    if x.shape[1] // spec.groups * kernel[0] * kernel[1] * g[0, 0].numel() > CONV_MAX_UNFOLDED:
+        return None
+    dtype = torch.promote_types(x.dtype, g.dtype)
+    if dtype not in ops.KERNEL_FLOATS:
+        dtype = torch.float32
+    x4, g4 = (t.detach().to(dtype).contiguous() for t in (x, g))
+    if nd == 1:
+        x4, g4 = x4.unsqueeze(2), g4.unsqueeze(2)
+    out = torch.empty(x.shape[0], dtype=torch.float64)
+    _C.conv2d_sq_norms(x4.numpy(), g4.numpy(), [spec.groups, *kernel, *stride, *padding, *dilation], ghost, out.numpy())
+    return out

@@ -195,7 +195,15 @@ def noisy_average_ref(
     return out
 
 
+def conv_sq_norms_ref(x: torch.Tensor, g: torch.Tensor, spec, ghost: bool) -> Optional[torch.Tensor]:
+    """No fused reference: ``None`` tells the convolution rule to compose the route itself
+    (unfold and :func:`linear_sq_norms_ghost`, or per-sample gradients from one grouped
+    convolution, which it then keeps for the clipped sum)."""
+    return None
+
+
 _REFERENCE: Dict[str, Callable] = {
+    "conv_sq_norms": conv_sq_norms_ref,
     "linear_sq_norms_ghost": linear_sq_norms_ghost_ref,
     "linear_sq_norms_direct": linear_sq_norms_direct_ref,
     "embedding_sq_norms": embedding_sq_norms_ref,
@@ -212,6 +220,14 @@ def linear_sq_norms_ghost(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 def linear_sq_norms_direct(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return _call("linear_sq_norms_direct", a.device, a, g)
+
+
+def conv_sq_norms(x: torch.Tensor, g: torch.Tensor, spec, ghost: bool) -> Optional[torch.Tensor]:
+    """Per-sample squared weight-gradient norms of a zero-padded convolution, float64 (B,), by
+    the ghost or the direct route, from the input ``x`` (B, C, *S) and output gradient ``g``
+    (B, C_out, *S'); ``spec`` has ``stride``, ``padding``, ``dilation``, ``kernel`` (lists) and
+    ``groups``. ``None`` where no fused kernel takes this call."""
+    return _call("conv_sq_norms", x.device, x, g, spec, ghost)
 
 
 def embedding_sq_norms(ids: torch.Tensor, g: torch.Tensor, padding_idx: Optional[int]) -> torch.Tensor:

@@ -4,6 +4,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch import nn
 
+from fastdp import ops
 from reference import examples, check_exact
 
 SETTINGS = settings(max_examples=examples(25), deadline=None)
@@ -64,9 +65,14 @@ def test_conv_any_geometry(case):
 
 @pytest.mark.parametrize("route", ["ghost", "direct"])
 @pytest.mark.parametrize("groups", [1, 4])
-def test_conv_both_routes(monkeypatch, route, groups):
+@pytest.mark.parametrize("backend", ["reference", None])  # composed routes, or the fused kernel where built
+def test_conv_both_routes(monkeypatch, route, groups, backend):
     import fastdp.layers.conv as conv
 
+    if backend is None:
+        monkeypatch.delenv("FASTDP_BACKEND", raising=False)
+    else:
+        monkeypatch.setenv("FASTDP_BACKEND", backend)
     monkeypatch.setattr(conv, "AUTOTUNE", False)
     monkeypatch.setattr(conv, "route_costs", lambda t, d, p: (0, 1) if route == "ghost" else (1, 0))
     torch.manual_seed(groups)
@@ -123,12 +129,14 @@ def test_norm_layers(kind, batch, bias, seed):
 def test_conv_autotune_remembers_per_geometry_and_stays_exact(monkeypatch):
     import fastdp.layers.conv as conv
 
-    monkeypatch.setattr(conv, "_FASTER_ROUTE", {})
+    monkeypatch.setattr(conv, "_FASTEST_ROUTE", {})
     monkeypatch.setattr(conv, "AUTOTUNE_WITHIN", float("inf"))  # time every geometry
     torch.manual_seed(7)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten())
     for size in (6, 6, 9):  # the batch size does not enter the key; the image size does
         check_exact(model, [torch.randn(2 + size % 2, 3, size, size)])
-    assert len(conv._FASTER_ROUTE) == 2
-    monkeypatch.setattr(conv, "_FASTER_ROUTE", {k: not v for k, v in conv._FASTER_ROUTE.items()})
-    check_exact(model, [torch.randn(3, 3, 9, 9)])  # the other route, same answer
+    assert len(conv._FASTEST_ROUTE) == 2
+    fused = ops.implementation("conv_sq_norms", torch.device("cpu"))[0] != "reference"
+    for other in ("ghost", "instantiate") + (("direct",) if fused else ()):  # each route in turn, same answer
+        monkeypatch.setattr(conv, "_FASTEST_ROUTE", {k: other for k in conv._FASTEST_ROUTE})
+        check_exact(model, [torch.randn(3, 3, 9, 9)])

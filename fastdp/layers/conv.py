@@ -13,12 +13,16 @@ summed; never as one dense matrix. Two routes, chosen per call by flops as for L
 * direct: all per-sample gradients at once as ONE grouped convolution backward, the batch
   folded into the group dimension; no unfold;
 * ghost: unfold (``prod(kernel)`` times the input) and the linear ghost norm per group.
+
+Where a backend has a fused kernel for the call (``ops.conv_sq_norms``: C++ on CPU for 1-D
+and 2-D convolutions), either route runs in it instead, one sample's patches at a time, and
+the clipped sum is one weight-gradient convolution on coefficient-scaled ``g``.
 """
 from __future__ import annotations
 
 import math
 import time
-from typing import Dict, Iterable, List, Tuple
+from typing import Callable, Dict, Iterable, List, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -33,31 +37,48 @@ from fastdp.layers.linear import route_costs
 _CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
-# For convolutions the cost model is only a rough guide (grouped convolutions with many
-# channels and few positions run far below peak). Where its two estimates are within a
-# factor AUTOTUNE_WITHIN, the first call with a new geometry times both routes and
-# remembers the faster one. The key holds every dimension except the batch (costs scale
-# linearly in it): a new image size is a new key, so no decision goes stale.
-# AUTOTUNE=False always follows the cost model.
+# Routes for a convolution's weight norms: "ghost" and "direct" run in the fused kernel
+# (ops.conv_sq_norms) where a backend has one and in composed PyTorch ops otherwise;
+# "instantiate" is the composed direct route, whose per-sample gradients then serve the
+# clipped sum, where the other routes pay one more weight-gradient convolution.
+#
+# The cost model is only a rough guide (grouped convolutions with many channels and few
+# positions run far below peak, the fused kernel's speed depends on the geometry). Where
+# more than one route is plausible, the first call with a new geometry times each, counting
+# the extra convolution against the routes that need it, and remembers the fastest. The key
+# holds every dimension except the batch (costs scale linearly in it): a new image size is
+# a new key, so no decision goes stale. AUTOTUNE=False always follows the cost model.
 AUTOTUNE = True
-AUTOTUNE_WITHIN = 4.0
-_FASTER_ROUTE: Dict[tuple, bool] = {}
+AUTOTUNE_WITHIN = 4.0  # both flop routes are plausible where their estimates are this close
+_FASTEST_ROUTE: Dict[tuple, str] = {}
 
 
-def _time_both_routes(key, ghost, direct, rec: Record) -> torch.Tensor:
-    """Run each route twice (the first run pays one-off allocations); keep the faster."""
-    best, results = {}, {}
-    for use_ghost, route in ((True, ghost), (False, direct)) * 2:
+def _time_routes(key, routes: Dict[str, Callable[[], torch.Tensor]], weight_sum: Callable[[], object],
+                 rec: Record) -> torch.Tensor:
+    """Run each route twice (the first run pays one-off allocations) and keep the fastest,
+    adding the time of ``weight_sum`` to routes that leave no per-sample gradients behind."""
+    def timed(fn):
         _wait_for_device(rec)
         start = time.perf_counter()
-        results[use_ghost] = route()
+        out = fn()
         _wait_for_device(rec)
-        best[use_ghost] = min(best.get(use_ghost, math.inf), time.perf_counter() - start)
-    use_ghost = best[True] < best[False]
-    _FASTER_ROUTE[key] = use_ghost
-    if use_ghost:
+        return out, time.perf_counter() - start
+
+    sum_time = min(timed(weight_sum)[1] for _ in range(2))
+    best, results = {}, {}
+    for name, route in list(routes.items()) * 2:
         rec.cache.pop("weight", None)
-    return results[use_ghost]
+        out, elapsed = timed(route)
+        kept = rec.cache.get("weight")
+        best[name] = min(best.get(name, math.inf), elapsed + (sum_time if kept is None else 0.0))
+        results[name] = (out, kept)
+    name = min(best, key=best.get)
+    _FASTEST_ROUTE[key] = name
+    out, kept = results[name]
+    rec.cache.pop("weight", None)
+    if kept is not None:
+        rec.cache["weight"] = kept
+    return out
 
 
 def _wait_for_device(rec: Record) -> None:
@@ -206,16 +227,36 @@ class ConvRule(LayerRule):
         seq = math.prod(g.shape[2:])
         d = weight.shape[1] * math.prod(spec.kernel)
         p = weight.shape[0] // spec.groups
-        ghost = lambda: self._ghost_sq_norms(x, g, spec, d, p, seq)  # noqa: E731
-        direct = lambda: self._direct_sq_norms(rec, x, g, spec, weight.shape)  # noqa: E731
+
+        instantiate = lambda: self._direct_sq_norms(rec, x, g, spec, weight.shape)  # noqa: E731
+
+        def fused_or_composed(ghost: bool) -> torch.Tensor:
+            out = ops.conv_sq_norms(x, g, spec, ghost)
+            if out is not None:
+                return out
+            return self._ghost_sq_norms(x, g, spec, d, p, seq) if ghost else instantiate()
+
+        routes = {"ghost": lambda: fused_or_composed(True), "direct": lambda: fused_or_composed(False),
+                  "instantiate": instantiate}
+        backend = ops.implementation("conv_sq_norms", x.device)[0]
+        if backend == "reference":  # no fused kernel: "direct" is "instantiate"
+            del routes["direct"]
         ghost_cost, direct_cost = route_costs(seq, d, p)
-        if not AUTOTUNE or not 1 / AUTOTUNE_WITHIN < ghost_cost / direct_cost < AUTOTUNE_WITHIN:
-            return ghost() if ghost_cost < direct_cost else direct()
-        key = (tuple(x.shape[1:]), tuple(weight.shape), spec.key(), x.dtype, x.device.type)
-        use_ghost = _FASTER_ROUTE.get(key)
-        if use_ghost is None:
-            return _time_both_routes(key, ghost, direct, rec)
-        return ghost() if use_ghost else direct()
+        if not AUTOTUNE:
+            return routes["ghost" if ghost_cost < direct_cost else "direct" if "direct" in routes else "instantiate"]()
+        if ghost_cost * AUTOTUNE_WITHIN < direct_cost:
+            return routes["ghost"]()
+        if direct_cost * AUTOTUNE_WITHIN < ghost_cost:
+            del routes["ghost"]
+        if len(routes) == 1:
+            return next(iter(routes.values()))()
+        key = (tuple(x.shape[1:]), tuple(weight.shape), spec.key(), x.dtype, x.device.type, backend)
+        name = _FASTEST_ROUTE.get(key)
+        if name is None:
+            weight_sum = lambda: _convolution_backward(g, x.to(g.dtype), weight.shape, spec, spec.groups,  # noqa: E731
+                                                       [False, True, False])
+            return _time_routes(key, routes, weight_sum, rec)
+        return routes[name]()
 
     def prepare(self, rec: Record) -> None:
         """Find the weight norms during backward; where that instantiated the per-sample

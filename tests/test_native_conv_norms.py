@@ -1,0 +1,101 @@
+"""Native (C++) fused convolution norms against per-sample weight gradients in float64.
+
+The kernel unfolds one sample's patches at a time (zero padding, stride, dilation, groups)
+and runs the linear ghost or direct tiles on them; the reference convolves each sample on
+its own. Error bound as for the linear kernels: relative to the norms of the absolute
+values' gradients, which bound every rounded partial sum.
+"""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastdp import ops
+from fastdp.layers.conv import ConvSpec
+
+native = pytest.importorskip("fastdp._native_ops", reason="native extension not built")
+TOL = {torch.float32: 2e-6, torch.float64: 1e-12}
+
+
+def per_sample_sq_norms(x, g, spec):
+    """Sample by sample: aten's weight gradient of a batch of one, squared and summed."""
+    out = []
+    for i in range(x.shape[0]):
+        c_out = g.shape[1]
+        weight = torch.empty(c_out, x.shape[1] // spec.groups, *spec.kernel, dtype=torch.float64)
+        grad = torch.ops.aten.convolution_backward(
+            g[i:i + 1].double(), x[i:i + 1].double(), weight, None, spec.stride, spec.padding, spec.dilation,
+            False, [0] * len(spec.stride), spec.groups, [False, True, False])[1]
+        out.append(grad.square().sum())
+    return torch.stack(out) if out else torch.zeros(0, dtype=torch.float64)
+
+
+def _case(dim, batch, groups, cin, cout, kernel, stride, padding, dilation, size, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    spec = ConvSpec([stride] * dim, [padding] * dim, [dilation] * dim, groups, [kernel] * dim)
+    x = torch.randn(batch, cin * groups, *[size] * dim, generator=gen, dtype=torch.float64).to(dtype)
+    out_size = (size + 2 * padding - dilation * (kernel - 1) - 1) // stride + 1
+    g = torch.randn(batch, cout * groups, *[out_size] * dim, generator=gen, dtype=torch.float64).to(dtype)
+    return x, g, spec
+
+
+def _check(out, x, g, spec):
+    exact = per_sample_sq_norms(x, g, spec)
+    scale = per_sample_sq_norms(x.double().abs(), g.double().abs(), spec)
+    assert out.dtype == torch.float64 and out.shape == (x.shape[0],)
+    err = ((out - exact).abs() / scale.clamp_min(1e-300)).max().item() if x.shape[0] else 0.0
+    assert err < TOL[x.dtype if x.dtype in TOL else torch.float32], err
+
+
+@settings(max_examples=60, deadline=None)
+@given(dim=st.sampled_from([1, 2]), batch=st.sampled_from([1, 2, 5]), groups=st.sampled_from([1, 2, 3]),
+       cin=st.integers(1, 5), cout=st.integers(1, 20), kernel=st.integers(1, 5), stride=st.integers(1, 3),
+       padding=st.integers(0, 3), dilation=st.integers(1, 2), extra=st.integers(0, 12),
+       dtype=st.sampled_from([torch.float32, torch.float64]), seed=st.integers(0, 2**31 - 1))
+def test_matches_per_sample_gradients(dim, batch, groups, cin, cout, kernel, stride, padding, dilation, extra,
+                                      dtype, seed):
+    size = max(1, dilation * (kernel - 1) + 1 - 2 * padding) + extra  # at least one output position
+    x, g, spec = _case(dim, batch, groups, cin, cout, kernel, stride, padding, dilation, size, dtype, seed)
+    for ghost in (True, False):
+        _check(native.conv_sq_norms(x, g, spec, ghost), x, g, spec)
+
+
+@pytest.mark.parametrize("ghost", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_several_tiles_each_way(ghost, dtype):
+    """T = 20 x 20 = 400 positions (several 64-row Gram tiles), d = 7 * 9 = 63 and p = 70
+    ragged against the 64-wide tiles and the 16-lane vectors."""
+    x, g, spec = _case(2, 3, 1, 7, 70, 3, 1, 1, 1, 20, dtype, 0)
+    _check(native.conv_sq_norms(x, g, spec, ghost), x, g, spec)
+
+
+def test_other_dtypes_and_layouts():
+    """bfloat16 runs through float32; a channels-last input and a grad tensor are copied as needed."""
+    x, g, spec = _case(2, 2, 1, 3, 4, 3, 2, 1, 1, 9, torch.float32, 1)
+    _check(native.conv_sq_norms(x.to(memory_format=torch.channels_last).requires_grad_(), g, spec, True), x, g, spec)
+    x16, g16 = x.bfloat16(), g.bfloat16()
+    _check(native.conv_sq_norms(x16, g16, spec, False), x16.float(), g16.float(), spec)
+
+
+def test_declines_what_it_does_not_take(monkeypatch):
+    """3-D convolutions and samples whose patches exceed the scratch bound go to the composed routes."""
+    x, g, spec = _case(3, 2, 1, 2, 3, 2, 1, 0, 1, 4, torch.float32, 2)
+    assert native.conv_sq_norms(x, g, spec, True) is None
+    x, g, spec = _case(2, 2, 1, 2, 3, 3, 1, 1, 1, 8, torch.float32, 3)
+    monkeypatch.setattr(native, "CONV_MAX_UNFOLDED", 2 * 9 * 64 - 1)
+    assert native.conv_sq_norms(x, g, spec, True) is None
+
+
+@pytest.mark.parametrize("backend", ["native", None, "reference"])
+def test_dispatch(monkeypatch, backend):
+    """The CPU default and FASTDP_BACKEND=native take the kernel; the reference composes (None)."""
+    if backend is None:
+        monkeypatch.delenv("FASTDP_BACKEND", raising=False)
+    else:
+        monkeypatch.setenv("FASTDP_BACKEND", backend)
+    x, g, spec = _case(2, 2, 1, 2, 3, 3, 1, 1, 1, 6, torch.float64, 4)
+    out = ops.conv_sq_norms(x, g, spec, True)
+    if backend == "reference":
+        assert out is None
+    else:
+        _check(out, x, g, spec)
