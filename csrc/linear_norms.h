@@ -22,7 +22,7 @@ template <typename F>
 void linear_sq_norms_ghost(const Strided3<F>& a, const Strided3<F>& g, double* out);
 
 // Same result from 64 x 64 tiles of g_i^T a_i accumulated over T and square-summed at once.
-// Extra memory: per thread one tile and a (64 x 16) panel; B * ceil(p / 64) * ceil(d / 64)
+// Extra memory: per thread one tile and two (64 x 16) panels; B * ceil(p / 64) * ceil(d / 64)
 // partial sums.
 template <typename F>
 void linear_sq_norms_direct(const Strided3<F>& a, const Strided3<F>& g, double* out);
