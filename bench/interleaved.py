@@ -18,6 +18,7 @@ import time
 import torch
 
 from fastdp import bench
+from fastdp.allocator import keep_freed_memory
 
 
 def interleaved(config: str, rounds: int, warmup: int = 3):
@@ -46,6 +47,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    keep_freed_memory()  # as fastdp bench and fastdp train do; process-wide, so both steps alike
     print(f"torch {torch.__version__}, {args.threads} threads; ms per step, ratio fastdp / non-private")
     print(f"{'config':16s} {'rounds':>6s} {'nonpriv min':>11s} {'fastdp min':>10s} {'ratio min':>9s} "
           f"{'ratio median':>12s}")

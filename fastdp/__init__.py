@@ -7,6 +7,7 @@
 or, Opacus-style, ``model, optimizer, loader = fastdp.make_private(...)``.
 """
 from fastdp import checkpoint
+from fastdp.allocator import keep_freed_memory
 from fastdp.data import BatchMemoryManager, PoissonBatchSampler, poisson_loader
 from fastdp.distributed import DistributedDPOptimizer, distributed_poisson_loader
 from fastdp.engine import GradSampleEngine, NonFiniteGradientError
@@ -20,5 +21,5 @@ __all__ = [
     "BatchMemoryManager", "DistributedDPOptimizer", "PoissonBatchSampler", "checkpoint",
     "distributed_poisson_loader", "poisson_loader",
     "DPOptimizer", "GradSampleEngine", "NonFiniteGradientError", "UnsupportedModuleError",
-    "find_problems", "fix", "make_private", "validate",
+    "find_problems", "fix", "keep_freed_memory", "make_private", "validate",
 ]

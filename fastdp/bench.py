@@ -11,7 +11,9 @@ Methods: ``nonprivate`` (plain autograd + SGD), ``fastdp-<backend>`` (one backwa
 gradients), ``opacus-hooks`` and
 ``opacus-ghost`` (Opacus' two-backward ghost clipping), ``bf16-nonprivate`` and
 ``bf16-fastdp`` (the step under bfloat16 autocast), ``ddp2-fastdp`` (two gloo processes on
-halves of the same global batch, ``DistributedDPOptimizer``). All use sigma = 1, C = 1, SGD.
+halves of the same global batch, ``DistributedDPOptimizer``). All use sigma = 1, C = 1, SGD,
+and keep freed memory for reuse (:func:`fastdp.allocator.keep_freed_memory`), as ``fastdp
+train`` does.
 """
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from fastdp.allocator import keep_freed_memory
 
 NOISE_MULTIPLIER = 1.0
 MAX_GRAD_NORM = 1.0
@@ -340,6 +344,7 @@ class _OpsRecorder:
 def measure(config: str, method: str, quick: bool, device: str, min_time: float, budget: float,
             threads: int, clock: str = "wall") -> dict:
     """Build, warm up, time and measure one (config, method) in this process."""
+    keep_freed_memory()  # every method alike: see fastdp.allocator
     if method.startswith("ddp"):
         return _measure_ddp(config, quick, device, min_time, budget, threads, clock)
     torch.set_num_threads(threads)
@@ -421,6 +426,7 @@ def _ddp_rank(rank: int, port: int, config: str, quick: bool, min_time: float, b
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=DDP_WORLD)
     try:
+        keep_freed_memory()
         torch.set_num_threads(max(1, threads // DDP_WORLD))
         torch.manual_seed(SEED)
         model, x, y, per_sample = CONFIGS[config][0](quick)
@@ -541,7 +547,8 @@ def markdown(rows: List[dict], meta: dict) -> str:
         f"load average before the run {meta['load_average_before']}.  ",
         f"Time: median per-step {_CLOCKS[meta['clock']]} after warm-up; ratio to the non-private step of the "
         "same config.  ",
-        f"Memory: {meta['memory_method']}; ratio to the non-private step.",
+        f"Memory: {meta['memory_method']}; ratio to the non-private step.  ",
+        "Allocator: every method's process keeps freed memory for reuse (`fastdp.keep_freed_memory`).",
         "",
         "| config | method | backend (ops used) | step ms | × non-private | peak extra MiB | × non-private "
         "| load 1m | status |",

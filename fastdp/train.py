@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from fastdp.allocator import keep_freed_memory
 from fastdp.datasets import DATASETS, DatasetNotFoundError, collate_pairs, load_dataset
 from fastdp.privacy import make_private
 
@@ -234,6 +235,7 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit("fastdp train: --plot needs matplotlib: pip install matplotlib") from None
     if args.threads:
         torch.set_num_threads(args.threads)
+    keep_freed_memory()
     config = TrainConfig(
         dataset=args.dataset, target_epsilon=args.target_epsilon, delta=args.delta, epochs=args.epochs,
         batch_size=args.batch_size, lr=args.lr, momentum=args.momentum,

@@ -1,7 +1,8 @@
 """Normalisation layers with an elementwise affine: LayerNorm, RMSNorm, GroupNorm, InstanceNorm.
 
-LayerNorm and GroupNorm run fused (aten's native kernels, forward and input gradient); the
-normalised input ``x_hat`` is rebuilt in backward from the saved mean and reciprocal std.
+LayerNorm and GroupNorm run fused (aten's native kernels, forward and input gradient);
+LayerNorm rebuilds the normalised input ``x_hat`` in backward from the saved mean and
+reciprocal std, GroupNorm needs only per-channel sums (its statistics are per group).
 RMSNorm and InstanceNorm run the parameter-free normalisation in plain autograd and hook
 only the affine map ``y = x_hat * weight + bias``. Per-sample gradients are cheap to instantiate:
 weight: ``x_hat * g`` summed over the positions that share a weight entry; bias: ``g`` summed.
@@ -121,8 +122,7 @@ class _FusedGroupNormFn(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight, mean, rstd = ctx.saved_tensors
         n, c, hw, groups = ctx.sizes
-        x_hat = (x.reshape(n, groups, -1) - mean.unsqueeze(-1)) * rstd.unsqueeze(-1)
-        ctx.tap.fire((x_hat.view_as(x), True), grad_out)
+        ctx.tap.fire(((x, mean, rstd, groups), True), grad_out)  # x_hat is never built: see GroupNormRule
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = torch.ops.aten.native_group_norm_backward(
@@ -163,6 +163,24 @@ class GroupNormRule(_AffineNormRule):
 
     def normalize(self, module, x):
         return F.group_norm(x, module.num_groups, None, None, module.eps)
+
+    def per_sample_grads(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
+        """From the fused path's statistics, as aten's GroupNorm backward does: per sample and
+        channel, the weight's gradient is ``sum_s g x_hat = rstd (sum_s g x - mean sum_s g)``
+        and the bias's ``sum_s g``; no (B, C, *S) temporary besides ``g * x``."""
+        stats, _ = rec.activation
+        if not isinstance(stats, tuple):  # the unfused path saved x_hat
+            return super().per_sample_grads(rec, names)
+        x, mean, rstd, groups = stats
+        g = rec.grad_output
+        n, c = x.shape[:2]
+        g3, x3 = g.reshape(n, c, -1), x.reshape(n, c, -1).to(g.dtype)
+        sum_g = g3.sum(2)
+        out = {"bias": sum_g}
+        if "weight" in names:
+            per_channel = lambda t: t.reshape(n, groups, 1).expand(n, groups, c // groups).reshape(n, c).to(g.dtype)  # noqa: E731
+            out["weight"] = per_channel(rstd) * ((g3 * x3).sum(2) - per_channel(mean) * sum_g)
+        return {name: out[name] for name in names}
 
 
 class InstanceNormRule(_AffineNormRule):
