@@ -285,13 +285,15 @@ class ConvRule(LayerRule):
         for name, coef in coefs.items():
             if name in rec.cache or name == "bias":
                 out[name] = weighted_sum(coef, self.cached_grads(rec, [name])[name])
-            else:  # ghost route: one weight-gradient convolution on coefficient-scaled g
+            else:  # one weight-gradient convolution, the smaller of x and g scaled per sample
                 x, spec, weight = self._shapes(rec)
                 g = rec.grad_output
-                out[name] = _convolution_backward(
-                    g * expand_like(coef, g), x.to(g.dtype), weight.shape, spec, spec.groups,
-                    [False, True, False],
-                )[1]
+                x = x.to(g.dtype)
+                if x.numel() < g.numel():
+                    x = x * expand_like(coef, x)
+                else:
+                    g = g * expand_like(coef, g)
+                out[name] = _convolution_backward(g, x, weight.shape, spec, spec.groups, [False, True, False])[1]
         return out
 
 
