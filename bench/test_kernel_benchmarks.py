@@ -17,6 +17,10 @@ native = pytest.importorskip("fastdp._native_ops", reason="native extension not 
 NOISE_SIZES = {"1M": [1 << 20], "8M": [1 << 23], "257 tensors": [4096] * 256 + [1 << 20]}
 LINEAR = {"B32 T256 d256 p256": (32, 256, 256, 256), "B64 T64 d512 p512": (64, 64, 512, 512)}
 EMBEDDING = {"B64 T128 D256 V1000": (64, 128, 256, 1000)}
+# (batch, C_in, C_out, image size, kernel, stride, padding): layers of the CIFAR and MNIST CNNs
+CONV = {"CIFAR conv1 B128 3-32 32px k3": (128, 3, 32, 32, 3, 1, 1),
+        "CIFAR conv3 B128 64-64 8px k3": (128, 64, 64, 8, 3, 1, 1),
+        "MNIST conv1 B256 1-16 28px k8 s2": (256, 1, 16, 28, 8, 2, 2)}
 
 
 def _noise_loop(sums, std, divisor):
@@ -77,6 +81,50 @@ def test_embedding_norms(benchmark, shape, impl):
     benchmark(fn, ids, g)
 
 
+def _conv_case(shape):
+    from fastdp.layers.conv import ConvSpec
+
+    b, cin, cout, size, k, stride, pad = CONV[shape]
+    x = torch.randn(b, cin, size, size)
+    out = (size + 2 * pad - k) // stride + 1
+    return x, torch.randn(b, cout, out, out), ConvSpec([stride] * 2, [pad] * 2, [1, 1], 1, [k, k]), (cout, cin, k, k)
+
+
+def _conv_loop(x, g, spec, weight_shape):
+    """Per-example loop: each sample's weight gradient from aten's convolution backward."""
+    weight = torch.empty(weight_shape)
+    return torch.stack([torch.ops.aten.convolution_backward(
+        g[i:i + 1], x[i:i + 1], weight, None, spec.stride, spec.padding, spec.dilation, False, [0, 0], 1,
+        [False, True, False])[1].square().sum().double() for i in range(x.shape[0])])
+
+
+def _conv_routes(x, g, spec, weight_shape):
+    from fastdp.layers.base import sq_norms_of
+    from fastdp.layers.conv import ConvRule
+
+    seq, d, p = g[0, 0].numel(), x.shape[1] * spec.kernel[0] * spec.kernel[1], g.shape[1]
+    rule = ConvRule()
+    return {
+        "loop": lambda: _conv_loop(x, g, spec, weight_shape),
+        "composed ghost (unfold)": lambda: rule._ghost_sq_norms(x, g, spec, d, p, seq),
+        "composed direct (grouped conv)": lambda: sq_norms_of(rule._per_sample_weight(x, g, spec, weight_shape)),
+        "native ghost": lambda: native.conv_sq_norms(x, g, spec, True),
+        "native direct": lambda: native.conv_sq_norms(x, g, spec, False),
+        # not a norm: the batch's summed weight gradient, what the non-private step pays for the layer
+        "weight gradient": lambda: torch.ops.aten.convolution_backward(
+            g, x, torch.empty(weight_shape), None, spec.stride, spec.padding, spec.dilation, False, [0, 0], 1,
+            [False, True, False])[1],
+    }
+
+
+@pytest.mark.parametrize("impl", ["loop", "composed ghost (unfold)", "composed direct (grouped conv)", "native ghost",
+                                  "native direct", "weight gradient"])
+@pytest.mark.parametrize("shape", list(CONV))
+def test_conv_norms(benchmark, shape, impl):
+    benchmark.group = f"conv norms {shape}"
+    benchmark(_conv_routes(*_conv_case(shape))[impl])
+
+
 def test_references_agree():
     """The rows above compute the same numbers (so the ratios compare like with like)."""
     a, g = torch.randn(4, 70, 33), torch.randn(4, 70, 20)
@@ -87,3 +135,11 @@ def test_references_agree():
     ids, e = torch.randint(0, 9, (5, 30)), torch.randn(5, 30, 7, dtype=torch.float64)
     torch.testing.assert_close(_embedding_loop(ids, e), ops.embedding_sq_norms_ref(ids, e, 0))
     torch.testing.assert_close(native.embedding_sq_norms(ids, e, 0), ops.embedding_sq_norms_ref(ids, e, 0))
+    for shape in CONV:
+        x, g, spec, weight_shape = _conv_case(shape)
+        x, g = x[:3], g[:3]
+        routes = _conv_routes(x, g, spec, weight_shape)
+        want = routes.pop("loop")()
+        routes.pop("weight gradient")
+        for route in routes.values():
+            torch.testing.assert_close(route(), want, rtol=1e-5, atol=0)

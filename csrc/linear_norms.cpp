@@ -497,10 +497,11 @@ void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& c, bool ghost
         for (int64_t j0 = 0; j0 < d; j0 += TB)
           for (int64_t k0 = 0; k0 < p; k0 += TB) {
             const int64_t j1 = std::min(d, j0 + TB), k1 = std::min(p, k0 + TB);
+            const F* rows = cols.get();
             if constexpr (sizeof(F) == 4)
-              total += direct_tile_f32(gwi, p_pad, 1, cols.get(), 1, wide.T, wide.T, j0, j1, k0, k1, pa.get(), ga.get());
+              total += direct_tile_f32(gwi, p_pad, 1, rows, 1, wide.T, wide.T, j0, j1, k0, k1, pa.get(), ga.get());
             else
-              total += direct_tile_f64(gwi, p_pad, 1, cols.get(), 1, wide.T, wide.T, j0, j1, k0, k1, pa.get(), ga.get());
+              total += direct_tile_f64(gwi, p_pad, 1, rows, 1, wide.T, wide.T, j0, j1, k0, k1, pa.get(), ga.get());
           }
       }
       partial[item] = total;

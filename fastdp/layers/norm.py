@@ -178,7 +178,9 @@ class GroupNormRule(_AffineNormRule):
         sum_g = g3.sum(2)
         out = {"bias": sum_g}
         if "weight" in names:
-            per_channel = lambda t: t.reshape(n, groups, 1).expand(n, groups, c // groups).reshape(n, c).to(g.dtype)  # noqa: E731
+            def per_channel(stat):  # (n, groups) -> (n, c)
+                return stat.reshape(n, groups, 1).expand(n, groups, c // groups).reshape(n, c).to(g.dtype)
+
             out["weight"] = per_channel(rstd) * ((g3 * x3).sum(2) - per_channel(mean) * sum_g)
         return {name: out[name] for name in names}
 
