@@ -108,8 +108,8 @@ def _conv_routes(x, g, spec, weight_shape):
         "loop": lambda: _conv_loop(x, g, spec, weight_shape),
         "composed ghost (unfold)": lambda: rule._ghost_sq_norms(x, g, spec, d, p, seq),
         "composed direct (grouped conv)": lambda: sq_norms_of(rule._per_sample_weight(x, g, spec, weight_shape)),
-        "native ghost": lambda: native.conv_sq_norms(x, g, spec, True),
-        "native direct": lambda: native.conv_sq_norms(x, g, spec, False),
+        "native ghost": lambda: native.conv_sq_norms(x, g, spec, True)[0],
+        "native direct": lambda: native.conv_sq_norms(x, g, spec, False)[0],
         # not a norm: the batch's summed weight gradient, what the non-private step pays for the layer
         "weight gradient": lambda: torch.ops.aten.convolution_backward(
             g, x, torch.empty(weight_shape), None, spec.stride, spec.padding, spec.dilation, False, [0, 0], 1,

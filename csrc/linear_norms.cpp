@@ -442,7 +442,7 @@ void wide_patches(const F* phases, const Conv2dGeometry& c, int64_t channels, co
 }  // namespace
 
 template <typename F>
-void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& c, bool ghost, double* out) {
+void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& c, bool ghost, double* out, F* grads) {
   constexpr int W = kLanes<F>;
   const int64_t groups = c.groups, cin = c.channels / groups, p = c.out_channels / groups;
   const int64_t d = cin * c.kernel_h * c.kernel_w, OW = c.out_width, T = c.out_height * OW;
@@ -502,6 +502,13 @@ void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& c, bool ghost
               total += direct_tile_f32(gwi, p_pad, 1, rows, 1, wide.T, wide.T, j0, j1, k0, k1, pa.get(), ga.get());
             else
               total += direct_tile_f64(gwi, p_pad, 1, rows, 1, wide.T, wide.T, j0, j1, k0, k1, pa.get(), ga.get());
+            if (grads) {  // the tile holds entry (j, k) = weight[grp * p + k, j] of sample i
+              const int64_t col_blocks = (k1 - k0 + W - 1) / W;
+              F* gi_out = grads + (i * c.out_channels + grp * p) * d;
+              for (int64_t j = j0; j < j1; ++j)
+                for (int64_t k = k0; k < k1; ++k)
+                  gi_out[k * d + j] = ga.get()[(((j - j0) / MR) * col_blocks + (k - k0) / W) * MR + (j - j0) % MR][(k - k0) % W];
+            }
           }
       }
       partial[item] = total;
@@ -510,7 +517,8 @@ void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& c, bool ghost
   sum_partials(partial, c.batch, groups, out);
 }
 
-template void conv2d_sq_norms<float>(const float*, const float*, const Conv2dGeometry&, bool, double*);
-template void conv2d_sq_norms<double>(const double*, const double*, const Conv2dGeometry&, bool, double*);
+template void conv2d_sq_norms<float>(const float*, const float*, const Conv2dGeometry&, bool, double*, float*);
+template void conv2d_sq_norms<double>(const double*, const double*, const Conv2dGeometry&, bool, double*,
+                                        double*);
 
 }  // namespace fastdp

@@ -38,8 +38,9 @@ struct Conv2dGeometry {
 // out[i] = squared norm of sample i's weight gradient, summed over groups. Per (sample, group)
 // the patches are unfolded into per-thread scratch (d x T, d = C / groups * kernel area,
 // T = OH * OW: never the whole batch's) and reduced with the ghost (Gram tiles) or the
-// direct (tiles of g_i^T a_i) route of the linear kernels.
+// direct (tiles of g_i^T a_i) route of the linear kernels. The direct route also writes each
+// sample's weight gradient, (B, C_out, C_in / groups, KH, KW), to `grads` unless it is null.
 template <typename F>
-void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& geometry, bool ghost, double* out);
+void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& geometry, bool ghost, double* out, F* grads);
 
 }  // namespace fastdp

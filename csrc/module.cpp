@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <optional>
 #include <stdexcept>
 #include <vector>
 
@@ -76,7 +77,8 @@ void linear_sq_norms_t(const py::array_t<F>& a, const py::array_t<F>& g, py::arr
 // geometry: (groups, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w).
 template <typename F>
 void conv2d_sq_norms_t(const py::array_t<F, py::array::c_style>& x, const py::array_t<F, py::array::c_style>& g,
-                       const std::vector<int64_t>& geometry, bool ghost, py::array_t<double, py::array::c_style>& out) {
+                       const std::vector<int64_t>& geometry, bool ghost, py::array_t<double, py::array::c_style>& out,
+                       std::optional<py::array_t<F, py::array::c_style>> grads) {
   if (x.ndim() != 4 || g.ndim() != 4 || g.shape(0) != x.shape(0) || out.ndim() != 1 || out.shape(0) != x.shape(0) ||
       geometry.size() != 9)
     throw std::invalid_argument("expected x (B, C, H, W), g (B, C_out, OH, OW), out (B,) and 9 geometry values");
@@ -88,11 +90,17 @@ void conv2d_sq_norms_t(const py::array_t<F, py::array::c_style>& x, const py::ar
       c.out_height != (c.height + 2 * c.pad_h - c.dilation_h * (c.kernel_h - 1) - 1) / c.stride_h + 1 ||
       c.out_width != (c.width + 2 * c.pad_w - c.dilation_w * (c.kernel_w - 1) - 1) / c.stride_w + 1)
     throw std::invalid_argument("convolution geometry does not match the shapes of x and g");
+  F* grads_p = nullptr;
+  if (grads) {
+    if (ghost || grads->size() != c.batch * c.out_channels * (c.channels / c.groups) * c.kernel_h * c.kernel_w)
+      throw std::invalid_argument("grads: only the direct route writes them, (B, C_out, C_in / groups, KH, KW)");
+    grads_p = grads->mutable_data();
+  }
   const F* x_p = x.data();
   const F* g_p = g.data();
   double* out_p = out.mutable_data();
   py::gil_scoped_release release;
-  fastdp::conv2d_sq_norms<F>(x_p, g_p, c, ghost, out_p);
+  fastdp::conv2d_sq_norms<F>(x_p, g_p, c, ghost, out_p, grads_p);
 }
 
 }  // namespace
@@ -122,9 +130,12 @@ PYBIND11_MODULE(_C, m) {
         py::arg("a").noconvert(), py::arg("g").noconvert(), py::arg("out").noconvert(), direct_doc);
   const char* conv_doc =
       "out[i] = squared norm of sample i's 2-D convolution weight gradient (x (B,C,H,W), g (B,C_out,OH,OW) "
-      "C-contiguous; geometry (groups, kh, kw, sh, sw, ph, pw, dh, dw)), by the ghost or the direct route.";
+      "C-contiguous; geometry (groups, kh, kw, sh, sw, ph, pw, dh, dw)), by the ghost or the direct route; "
+      "the direct route also writes the per-sample weight gradients to grads (B, C_out, C_in/groups, kh, kw) if given.";
   m.def("conv2d_sq_norms", &conv2d_sq_norms_t<float>, py::arg("x").noconvert(), py::arg("g").noconvert(),
-        py::arg("geometry"), py::arg("ghost"), py::arg("out").noconvert(), conv_doc);
+        py::arg("geometry"), py::arg("ghost"), py::arg("out").noconvert(), py::arg("grads").noconvert() = py::none(),
+        conv_doc);
   m.def("conv2d_sq_norms", &conv2d_sq_norms_t<double>, py::arg("x").noconvert(), py::arg("g").noconvert(),
-        py::arg("geometry"), py::arg("ghost"), py::arg("out").noconvert(), conv_doc);
+        py::arg("geometry"), py::arg("ghost"), py::arg("out").noconvert(), py::arg("grads").noconvert() = py::none(),
+        conv_doc);
 }

@@ -82,10 +82,11 @@ CONV_MAX_UNFOLDED = 1 << 22
 
 
 @ops.register("conv_sq_norms", "native", "cpu")
-def conv_sq_norms(x: torch.Tensor, g: torch.Tensor, spec, ghost: bool):
+def conv_sq_norms(x: torch.Tensor, g: torch.Tensor, spec, ghost: bool, keep_grads: bool = False):
     """1-D and 2-D convolutions: each sample's patches are unfolded into per-thread scratch
-    and reduced by the ghost or direct tiles, so neither the batch's unfolded input nor its
-    per-sample gradients are ever stored. ``None`` (composed routes) for 3-D convolutions."""
+    and reduced by the ghost or direct tiles, so the batch's unfolded input is never stored;
+    the direct route writes the per-sample gradients only when ``keep_grads``. ``None``
+    (composed routes) for 3-D convolutions."""
     nd = x.dim() - 2
     if nd not in (1, 2):
         return None
@@ -101,5 +102,9 @@ def conv_sq_norms(x: torch.Tensor, g: torch.Tensor, spec, ghost: bool):
     if nd == 1:
         x4, g4 = x4.unsqueeze(2), g4.unsqueeze(2)
     out = torch.empty(x.shape[0], dtype=torch.float64)
-    _C.conv2d_sq_norms(x4.numpy(), g4.numpy(), [spec.groups, *kernel, *stride, *padding, *dilation], ghost, out.numpy())
-    return out
+    grads = None
+    if keep_grads and not ghost:
+        grads = torch.empty(x.shape[0], g.shape[1], x.shape[1] // spec.groups, *spec.kernel, dtype=dtype)
+    _C.conv2d_sq_norms(x4.numpy(), g4.numpy(), [spec.groups, *kernel, *stride, *padding, *dilation], ghost,
+                       out.numpy(), None if grads is None else grads.numpy())
+    return out, grads

@@ -17,17 +17,17 @@ native = pytest.importorskip("fastdp._native_ops", reason="native extension not 
 TOL = {torch.float32: 2e-6, torch.float64: 1e-12}
 
 
+def per_sample_grads(x, g, spec):
+    """Sample by sample: aten's weight gradient of a batch of one, in float64."""
+    weight = torch.empty(g.shape[1], x.shape[1] // spec.groups, *spec.kernel, dtype=torch.float64)
+    return [torch.ops.aten.convolution_backward(
+        g[i:i + 1].double(), x[i:i + 1].double(), weight, None, spec.stride, spec.padding, spec.dilation,
+        False, [0] * len(spec.stride), spec.groups, [False, True, False])[1] for i in range(x.shape[0])]
+
+
 def per_sample_sq_norms(x, g, spec):
-    """Sample by sample: aten's weight gradient of a batch of one, squared and summed."""
-    out = []
-    for i in range(x.shape[0]):
-        c_out = g.shape[1]
-        weight = torch.empty(c_out, x.shape[1] // spec.groups, *spec.kernel, dtype=torch.float64)
-        grad = torch.ops.aten.convolution_backward(
-            g[i:i + 1].double(), x[i:i + 1].double(), weight, None, spec.stride, spec.padding, spec.dilation,
-            False, [0] * len(spec.stride), spec.groups, [False, True, False])[1]
-        out.append(grad.square().sum())
-    return torch.stack(out) if out else torch.zeros(0, dtype=torch.float64)
+    grads = per_sample_grads(x, g, spec)
+    return torch.stack([grad.square().sum() for grad in grads]) if grads else torch.zeros(0, dtype=torch.float64)
 
 
 def _case(dim, batch, groups, cin, cout, kernel, stride, padding, dilation, size, dtype, seed):
@@ -39,12 +39,18 @@ def _case(dim, batch, groups, cin, cout, kernel, stride, padding, dilation, size
     return x, g, spec
 
 
-def _check(out, x, g, spec):
+def _check(result, x, g, spec):
+    out, grads = result
     exact = per_sample_sq_norms(x, g, spec)
     scale = per_sample_sq_norms(x.double().abs(), g.double().abs(), spec)
     assert out.dtype == torch.float64 and out.shape == (x.shape[0],)
     err = ((out - exact).abs() / scale.clamp_min(1e-300)).max().item() if x.shape[0] else 0.0
     assert err < TOL[x.dtype if x.dtype in TOL else torch.float32], err
+    if grads is not None:  # each entry is one sum over positions: bounded by the |x| |g| sums
+        want = torch.stack(per_sample_grads(x, g, spec))
+        bound = torch.stack(per_sample_grads(x.double().abs(), g.double().abs(), spec))
+        assert grads.shape == want.shape
+        assert ((grads.double() - want).abs() <= TOL[grads.dtype] * bound + 1e-300).all()
 
 
 @settings(max_examples=60, deadline=None)
@@ -56,8 +62,10 @@ def test_matches_per_sample_gradients(dim, batch, groups, cin, cout, kernel, str
                                       dtype, seed):
     size = max(1, dilation * (kernel - 1) + 1 - 2 * padding) + extra  # at least one output position
     x, g, spec = _case(dim, batch, groups, cin, cout, kernel, stride, padding, dilation, size, dtype, seed)
-    for ghost in (True, False):
-        _check(native.conv_sq_norms(x, g, spec, ghost), x, g, spec)
+    for ghost, keep in ((True, False), (False, False), (False, True)):
+        result = native.conv_sq_norms(x, g, spec, ghost, keep_grads=keep)
+        assert (result[1] is not None) == keep
+        _check(result, x, g, spec)
 
 
 @pytest.mark.parametrize("ghost", [True, False])
@@ -66,7 +74,7 @@ def test_several_tiles_each_way(ghost, dtype):
     """T = 20 x 20 = 400 positions (several 64-row Gram tiles), d = 7 * 9 = 63 and p = 70
     ragged against the 64-wide tiles and the 16-lane vectors."""
     x, g, spec = _case(2, 3, 1, 7, 70, 3, 1, 1, 1, 20, dtype, 0)
-    _check(native.conv_sq_norms(x, g, spec, ghost), x, g, spec)
+    _check(native.conv_sq_norms(x, g, spec, ghost, keep_grads=True), x, g, spec)
 
 
 def test_other_dtypes_and_layouts():
@@ -74,7 +82,7 @@ def test_other_dtypes_and_layouts():
     x, g, spec = _case(2, 2, 1, 3, 4, 3, 2, 1, 1, 9, torch.float32, 1)
     _check(native.conv_sq_norms(x.to(memory_format=torch.channels_last).requires_grad_(), g, spec, True), x, g, spec)
     x16, g16 = x.bfloat16(), g.bfloat16()
-    _check(native.conv_sq_norms(x16, g16, spec, False), x16.float(), g16.float(), spec)
+    _check(native.conv_sq_norms(x16, g16, spec, False, keep_grads=True), x16.float(), g16.float(), spec)
 
 
 def test_declines_what_it_does_not_take(monkeypatch):

@@ -15,8 +15,9 @@ summed; never as one dense matrix. Two routes, chosen per call by flops as for L
 * ghost: unfold (``prod(kernel)`` times the input) and the linear ghost norm per group.
 
 Where a backend has a fused kernel for the call (``ops.conv_sq_norms``: C++ on CPU for 1-D
-and 2-D convolutions), either route runs in it instead, one sample's patches at a time, and
-the clipped sum is one weight-gradient convolution on coefficient-scaled ``g``.
+and 2-D convolutions), either route runs in it instead, one sample's patches at a time. The
+clipped sum is then one weight-gradient convolution on coefficient-scaled ``x`` or ``g``,
+except where the direct route kept per-sample gradients no larger than ``x`` and ``g``.
 """
 from __future__ import annotations
 
@@ -231,10 +232,16 @@ class ConvRule(LayerRule):
         instantiate = lambda: self._direct_sq_norms(rec, x, g, spec, weight.shape)  # noqa: E731
 
         def fused_or_composed(ghost: bool) -> torch.Tensor:
-            out = ops.conv_sq_norms(x, g, spec, ghost)
-            if out is not None:
-                return out
-            return self._ghost_sq_norms(x, g, spec, d, p, seq) if ghost else instantiate()
+            # per-sample gradients no larger than x and g: keep them (x and g are freed early
+            # and the clipped sum is a weighted sum instead of a convolution)
+            keep = not ghost and x.shape[0] * weight.numel() <= x.numel() + g.numel()
+            fused = ops.conv_sq_norms(x, g, spec, ghost, keep_grads=keep)
+            if fused is None:
+                return self._ghost_sq_norms(x, g, spec, d, p, seq) if ghost else instantiate()
+            norms, grads = fused
+            if grads is not None:
+                rec.cache["weight"] = grads
+            return norms
 
         routes = {"ghost": lambda: fused_or_composed(True), "direct": lambda: fused_or_composed(False),
                   "instantiate": instantiate}
