@@ -506,8 +506,10 @@ void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& c, bool ghost
               const int64_t col_blocks = (k1 - k0 + W - 1) / W;
               F* gi_out = grads + (i * c.out_channels + grp * p) * d;
               for (int64_t j = j0; j < j1; ++j)
-                for (int64_t k = k0; k < k1; ++k)
-                  gi_out[k * d + j] = ga.get()[(((j - j0) / MR) * col_blocks + (k - k0) / W) * MR + (j - j0) % MR][(k - k0) % W];
+                for (int64_t k = k0; k < k1; ++k) {
+                  const Vec<F>& v = ga.get()[(((j - j0) / MR) * col_blocks + (k - k0) / W) * MR + (j - j0) % MR];
+                  gi_out[k * d + j] = v[(k - k0) % W];
+                }
             }
           }
       }
