@@ -16,6 +16,7 @@ per-sample gradients instantiated and summed, so its norm includes the cross ter
 """
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Dict, List, Optional, Sequence
 
@@ -204,11 +205,13 @@ class GradSampleEngine:
             return None
         # Squared norms are >= 0 or NaN, so their sum is finite exactly when all are:
         # one reduction on the device and a single host sync per backward pass.
-        finite = torch.isfinite(torch.stack(list(sq_norms.values())).sum(0))
-        if bool(finite.all()):
+        per_sample = torch.stack(list(sq_norms.values())).sum(0)
+        if math.isfinite(per_sample.sum().item()):
             return None
-        finite = finite.cpu()
+        finite = torch.isfinite(per_sample).cpu()
         bad = (~finite).nonzero().flatten().tolist()
+        if not bad:  # the batch's total overflowed, no sample's norm did
+            return None
         if self.nonfinite == "raise":
             params = [self.names.get(p, "?") for p, n in sq_norms.items() if not bool(torch.isfinite(n).all())]
             raise NonFiniteGradientError(
@@ -220,7 +223,10 @@ class GradSampleEngine:
         return (~finite).to(next(iter(sq_norms.values())).device)
 
     def _accumulate(self, p: torch.Tensor, s: torch.Tensor) -> None:
-        s = s.to(p.dtype).view_as(p)  # rules return fresh tensors: no copy needed
+        if s.dtype != p.dtype:  # rules return fresh tensors: no copy needed otherwise
+            s = s.to(p.dtype)
+        if s.shape != p.shape:
+            s = s.view_as(p)
         if p in self.summed:
             self.summed[p].add_(s)
         else:

@@ -115,8 +115,11 @@ KERNEL_FLOATS = (torch.float32, torch.float64)  # what the C++ and CUDA kernels 
 def kernel_operand(t: torch.Tensor) -> torch.Tensor:
     """Detached, contiguous float32/float64 version of ``t`` (no copy when already so);
     other dtypes go through float32."""
-    t = t.detach()
-    return (t if t.dtype in KERNEL_FLOATS else t.float()).contiguous()
+    if t.requires_grad:
+        t = t.detach()
+    if t.dtype not in KERNEL_FLOATS:
+        t = t.float()
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def in_input_dtypes(outs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:

@@ -150,11 +150,16 @@ def sq_norms_of(per_sample: torch.Tensor) -> torch.Tensor:
     return sum_to_float64(per_sample.flatten(1).square(), 1)
 
 
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)``, skipping the call where it is already so (saves a dispatch per use)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def weighted_sum(coef: torch.Tensor, per_sample: torch.Tensor) -> torch.Tensor:
     """``sum_i coef_i * per_sample[i]`` for ``coef`` (B,) and ``per_sample`` (B, ...): one
     vector-matrix product."""
     flat = per_sample.reshape(per_sample.shape[0], -1)
-    return (coef.to(flat.dtype) @ flat).view(per_sample.shape[1:])
+    return (as_dtype(coef, flat.dtype) @ flat).view(per_sample.shape[1:])
 
 
 def batch_chunks(batch: int, per_sample_elements: int) -> Iterable[slice]:

@@ -20,7 +20,7 @@ from torch import nn
 
 from fastdp import ops
 from fastdp.layers import register
-from fastdp.layers.base import (LayerRule, Record, Tap, UnsupportedModuleError, batch_chunks,
+from fastdp.layers.base import (LayerRule, Record, Tap, UnsupportedModuleError, as_dtype, batch_chunks,
                                 sq_norms_of, weighted_sum)
 
 
@@ -114,7 +114,7 @@ class LinearRule(LayerRule):
         operand scaled by its sample's coefficient; the bias's one vector-matrix product."""
         a, g = rec.activation, rec.grad_output
         dtype = torch.promote_types(a.dtype, g.dtype)
-        a2, g2 = a.reshape(-1, a.shape[-1]).to(dtype), g.reshape(-1, g.shape[-1]).to(dtype)
+        a2, g2 = (as_dtype(t.reshape(-1, t.shape[-1]), dtype) for t in (a, g))
         out = {}
         if "weight" in coefs:
             c = _per_row(coefs["weight"], a.shape[1], dtype).unsqueeze(1)
@@ -123,14 +123,16 @@ class LinearRule(LayerRule):
             else:
                 out["weight"] = (g2 * c).t().mm(a2)
         if "bias" in coefs:  # T = 1: g is the per-sample bias gradient; else sum over T once
-            bias = g2 if a.shape[1] == 1 else self.cached_grads(rec, ["bias"])["bias"]
-            out["bias"] = weighted_sum(coefs["bias"], bias)
+            if a.shape[1] == 1:
+                out["bias"] = as_dtype(coefs["bias"], dtype) @ g2
+            else:
+                out["bias"] = weighted_sum(coefs["bias"], self.cached_grads(rec, ["bias"])["bias"])
         return out
 
 
 def _per_row(coef: torch.Tensor, seq: int, dtype: torch.dtype) -> torch.Tensor:
     """Per-sample ``coef`` (B,) repeated for each of the T rows of its sample: (B*T,)."""
-    coef = coef.to(dtype)
+    coef = as_dtype(coef, dtype)
     return coef if seq == 1 else coef.repeat_interleave(seq)
 
 
