@@ -363,8 +363,9 @@ def measure(config: str, method: str, quick: bool, device: str, min_time: float,
 
 
 def _time_steps(step, dev: torch.device, quick: bool, min_time: float, budget: float,
-                clock: str) -> dict:
-    """Warm up, time steps until ``min_time`` (or the budget) and read the peak memory."""
+                clock: str, agree: Callable[[bool], bool] = lambda stop: stop) -> dict:
+    """Warm up, time steps until ``min_time`` (or the budget) and read the peak memory.
+    ``agree(stop)`` makes processes that step together (DDP ranks) stop at the same step."""
     cuda = dev.type == "cuda"
 
     def sync():
@@ -392,12 +393,12 @@ def _time_steps(step, dev: torch.device, quick: bool, min_time: float, budget: f
             warmup = 1  # slow steps: one warm-up step leaves the budget for timed ones
         timed = (times if clock == "wall" else cpu_times)[warmup:]
         elapsed = time.perf_counter() - start
-        if len(timed) >= max_steps or (len(timed) >= min_steps and sum(timed) >= min_time):
-            break
-        if not timed and elapsed > budget:
-            return {"timeout": f"{len(times)} warm-up step(s) took {elapsed:.0f} s > budget {budget:.0f} s"}
+        enough = len(timed) >= max_steps or (len(timed) >= min_steps and sum(timed) >= min_time)
         # Stop early when another step would overrun the budget, as long as one step is timed.
-        if timed and elapsed + statistics.median(timed) > budget:
+        over_budget = elapsed > budget if not timed else elapsed + statistics.median(timed) > budget
+        if agree(enough or over_budget):
+            if not timed:
+                return {"timeout": f"{len(times)} warm-up step(s) took {elapsed:.0f} s > budget {budget:.0f} s"}
             break
     if cuda:
         peak = torch.cuda.max_memory_allocated(dev) - base
@@ -434,7 +435,13 @@ def _ddp_rank(rank: int, port: int, config: str, quick: bool, min_time: float, b
         dp = DistributedDPOptimizer(opt, module=model, noise_multiplier=NOISE_MULTIPLIER,
                                     max_grad_norm=MAX_GRAD_NORM, expected_batch_size=x.shape[0], seed=SEED)
         step = _plain_step(model, x[rank::DDP_WORLD], y[rank::DDP_WORLD], SampleLoss(per_sample), dp)
-        result = _time_steps(step, torch.device("cpu"), quick, min_time, budget, clock)
+
+        def agree(stop: bool) -> bool:  # both ranks stop after the same step, or one waits forever
+            flag = torch.tensor(float(stop))
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            return bool(flag)
+
+        result = _time_steps(step, torch.device("cpu"), quick, min_time, budget, clock, agree)
         if rank == 0:
             with open(out_path, "w") as f:
                 json.dump(result, f)
