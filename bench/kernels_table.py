@@ -92,6 +92,37 @@ def norm_rows(impls, device, repeat, timer, sync):
                    timer(lambda: fn(ids, g, 0), repeat, sync), "")
 
 
+CONV_LAYERS = (  # (batch, C_in, C_out, image size, kernel, stride, padding): the CIFAR and MNIST CNNs' layers
+    (128, 3, 32, 32, 3, 1, 1), (128, 32, 64, 16, 3, 1, 1), (128, 64, 64, 8, 3, 1, 1), (128, 64, 128, 4, 3, 1, 1),
+    (256, 1, 16, 28, 8, 2, 2), (256, 16, 32, 13, 4, 2, 0))
+
+
+def conv_rows(impls, device, repeat, timer, sync):
+    """The fused convolution norm against the rule's composed routes (unfold + ghost norm;
+    per-sample gradients from one grouped convolution), and the layer's non-private weight
+    gradient as a yardstick (extra column: kernel time / weight-gradient time)."""
+    if "conv_sq_norms" not in impls:
+        return
+    from fastdp.layers.base import sq_norms_of
+    from fastdp.layers.conv import ConvRule, ConvSpec, _convolution_backward
+
+    rule = ConvRule()
+    for b, cin, cout, size, k, stride, pad in CONV_LAYERS:
+        x = torch.randn(b, cin, size, size, device=device)
+        out = (size + 2 * pad - k) // stride + 1
+        g = torch.randn(b, cout, out, out, device=device)
+        spec, shape = ConvSpec([stride] * 2, [pad] * 2, [1, 1], 1, [k, k]), (cout, cin, k, k)
+        seq, d = out * out, cin * k * k
+        t_weight = timer(lambda: _convolution_backward(g, x, shape, spec, 1, [False, True, False]), repeat, sync)
+        composed = {True: lambda: rule._ghost_sq_norms(x, g, spec, d, cout, seq),
+                    False: lambda: sq_norms_of(rule._per_sample_weight(x, g, spec, shape))}
+        for ghost in (True, False):
+            t_ref = timer(composed[ghost], repeat, sync)
+            t_k = timer(lambda: impls["conv_sq_norms"](x, g, spec, ghost), repeat, sync)
+            yield (f"conv {'ghost' if ghost else 'direct'} B{b} {cin}->{cout} {size}px k{k} s{stride}", t_ref, t_k,
+                   f"kernel/weight-grad {t_k / t_weight:.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cuda", action="store_true", help="time the Triton and CUDA C++ kernels on the GPU")
@@ -113,6 +144,7 @@ def main() -> None:
     print(f"{backend} kernels on {header}")
     print(f"{'case':48s} {'torch ms':>9s} {'kernel ms':>9s} {'ratio':>6s}")
     rows = list(norm_rows(impls, device, args.repeat, timer, sync))
+    rows += list(conv_rows(impls, device, args.repeat, timer, sync))
     rows += list(noise_rows(noise_impls, device, args.repeat, timer, sync))
     for label, t_ref, t_k, extra in rows:
         print(f"{label:48s} {t_ref:9.3f} {t_k:9.3f} {t_ref / t_k:6.2f}  {extra}", flush=True)
