@@ -143,13 +143,31 @@ def test_unbatched_input_is_refused():
         model(torch.randn(1, 5, 5))
 
 
-def test_empty_batch_still_steps_with_noise():
-    model = nn.Sequential(nn.Linear(3, 2))
+EMPTY_BATCH_MODELS = {  # one per layer family, with the input of an empty (Poisson) batch
+    "linear": (lambda: nn.Sequential(nn.Linear(3, 2)), (0, 3)),
+    "sequence linear": (lambda: nn.Sequential(nn.Linear(3, 4), nn.Flatten()), (0, 5, 3)),
+    "layernorm": (lambda: nn.Sequential(nn.Linear(3, 8), nn.LayerNorm(8)), (0, 3)),
+    "rmsnorm": (lambda: nn.Sequential(nn.Linear(3, 8), nn.RMSNorm(8)), (0, 3)),
+    "conv + groupnorm": (lambda: nn.Sequential(nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4), nn.Flatten()), (0, 2, 6, 6)),
+    "conv1d + instancenorm": (lambda: nn.Sequential(nn.Conv1d(2, 3, 3), nn.InstanceNorm1d(3, affine=True)),
+                              (0, 2, 7)),
+    "embedding": (lambda: nn.Sequential(nn.Embedding(9, 4), nn.Linear(4, 2)), None),
+}
+
+
+@pytest.mark.parametrize("name", list(EMPTY_BATCH_MODELS))
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_empty_batch_still_steps_with_noise(name, reduction):
+    """Every layer family takes a batch of zero samples: the step adds noise only."""
+    build, shape = EMPTY_BATCH_MODELS[name]
+    model = build()
     opt = make(model, seed=0)
-    loss = model(torch.randn(0, 3)).sum()
-    loss.backward()
+    x = torch.randint(0, 9, (0, 5)) if shape is None else torch.randn(*shape)
+    out = model(x)
+    (out.sum() if reduction == "sum" else out.flatten(1).mean(1).mean()).backward()
     opt.step()
-    assert opt.steps == 1 and model[0].weight.grad.abs().sum() > 0  # noise was added
+    assert opt.steps == 1
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())  # noise was added
 
 
 def test_second_optimizer_on_a_hooked_module_is_refused():

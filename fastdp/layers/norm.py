@@ -12,6 +12,7 @@ weight: ``x_hat * g`` summed over the positions that share a weight entry; bias:
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, Iterable
 
 import torch
@@ -53,10 +54,11 @@ class _AffineFn(torch.autograd.Function):
 
 
 def _reduce_to_param(t: torch.Tensor, channel_dim: bool, param_shape) -> torch.Tensor:
-    """Sum a per-sample (B, ...) tensor down to (B, *param_shape)."""
+    """Sum a per-sample (B, ...) tensor down to (B, *param_shape). Sizes are explicit, not -1,
+    so that an empty batch (B = 0) reshapes too."""
     if channel_dim:
-        return t.reshape(t.shape[0], t.shape[1], -1).sum(2)
-    return t.reshape(t.shape[0], -1, *param_shape).sum(1)
+        return t.reshape(t.shape[0], t.shape[1], math.prod(t.shape[2:])).sum(2)
+    return t.reshape(t.shape[0], math.prod(t.shape[1:]) // math.prod(param_shape), *param_shape).sum(1)
 
 
 class _AffineNormRule(LayerRule):
