@@ -44,9 +44,7 @@ def embedding_sq_norms(ids: torch.Tensor, g: torch.Tensor, padding_idx) -> torch
 def _linear_operands(a: torch.Tensor, g: torch.Tensor):
     """``a``, ``g`` detached in one float32/float64 dtype, strides kept (the kernels read any
     layout, so no contiguous copy), and the float64 ``(B,)`` output."""
-    dtype = torch.promote_types(a.dtype, g.dtype)
-    if dtype not in ops.KERNEL_FLOATS:
-        dtype = torch.float32
+    dtype = ops.kernel_dtype(a, g)
     a, g = a.detach().to(dtype), g.detach().to(dtype)
     return a.numpy(), g.numpy(), torch.empty(a.shape[0], dtype=torch.float64)
 
@@ -95,9 +93,7 @@ def conv_sq_norms(x: torch.Tensor, g: torch.Tensor, spec, ghost: bool, keep_grad
         kernel, stride, padding, dilation = [1, *kernel], [1, *stride], [0, *padding], [1, *dilation]
     if x.shape[1] // spec.groups * kernel[0] * kernel[1] * g[0, 0].numel() > CONV_MAX_UNFOLDED:
         return None
-    dtype = torch.promote_types(x.dtype, g.dtype)
-    if dtype not in ops.KERNEL_FLOATS:
-        dtype = torch.float32
+    dtype = ops.kernel_dtype(x, g)
     x4, g4 = (t.detach().to(dtype).contiguous() for t in (x, g))
     if nd == 1:
         x4, g4 = x4.unsqueeze(2), g4.unsqueeze(2)

@@ -112,13 +112,22 @@ def _call(op: str, device: torch.device, *args, **kwargs):
 KERNEL_FLOATS = (torch.float32, torch.float64)  # what the C++ and CUDA kernels compute in
 
 
+def kernel_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """The one float dtype a kernel computes ``tensors`` in: their promoted dtype where it is
+    float32/float64, else float32."""
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype if dtype in KERNEL_FLOATS else torch.float32
+
+
 def kernel_operand(t: torch.Tensor) -> torch.Tensor:
     """Detached, contiguous float32/float64 version of ``t`` (no copy when already so);
     other dtypes go through float32."""
     if t.requires_grad:
         t = t.detach()
     if t.dtype not in KERNEL_FLOATS:
-        t = t.float()
+        t = t.to(kernel_dtype(t))
     return t if t.is_contiguous() else t.contiguous()
 
 

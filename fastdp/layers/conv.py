@@ -39,9 +39,10 @@ _CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 
 # Routes for a convolution's weight norms: "ghost" and "direct" run in the fused kernel
-# (ops.conv_sq_norms) where a backend has one and in composed PyTorch ops otherwise;
-# "instantiate" is the composed direct route, whose per-sample gradients then serve the
-# clipped sum, where the other routes pay one more weight-gradient convolution.
+# (ops.conv_sq_norms) where a backend has one and in composed PyTorch ops otherwise; beside
+# a fused kernel, "instantiate" is the composed direct route. Composed direct keeps its
+# per-sample gradients for the clipped sum (as fused direct does where they are small);
+# the other routes pay one more weight-gradient convolution.
 #
 # The cost model is only a rough guide (grouped convolutions with many channels and few
 # positions run far below peak, the fused kernel's speed depends on the geometry). Where
@@ -243,14 +244,13 @@ class ConvRule(LayerRule):
                 rec.cache["weight"] = grads
             return norms
 
-        routes = {"ghost": lambda: fused_or_composed(True), "direct": lambda: fused_or_composed(False),
-                  "instantiate": instantiate}
+        routes = {"ghost": lambda: fused_or_composed(True), "direct": lambda: fused_or_composed(False)}
         backend = ops.implementation("conv_sq_norms", x.device)[0]
-        if backend == "reference":  # no fused kernel: "direct" is "instantiate"
-            del routes["direct"]
+        if backend != "reference":  # without a fused kernel "direct" already is "instantiate"
+            routes["instantiate"] = instantiate
         ghost_cost, direct_cost = route_costs(seq, d, p)
         if not AUTOTUNE:
-            return routes["ghost" if ghost_cost < direct_cost else "direct" if "direct" in routes else "instantiate"]()
+            return routes["ghost" if ghost_cost < direct_cost else "direct"]()
         if ghost_cost * AUTOTUNE_WITHIN < direct_cost:
             return routes["ghost"]()
         if direct_cost * AUTOTUNE_WITHIN < ghost_cost:
