@@ -236,13 +236,14 @@ __attribute__((always_inline)) inline double ghost_tile(const F* a, int64_t sat,
   return total;
 }
 
-FASTDP_MULTIVERSION double ghost_tile_f32(const float* a, int64_t sat, int64_t sad, int64_t d, const float* g,
+// The tile routines compiled per ISA, one overload per dtype.
+FASTDP_MULTIVERSION double ghost_tile_isa(const float* a, int64_t sat, int64_t sad, int64_t d, const float* g,
                                           int64_t sgt, int64_t sgp, int64_t p, int64_t seq, int64_t t0, int64_t t1,
                                           float* pa, float* pg, Vec<float>* ga, Vec<float>* gg) {
   return ghost_tile(a, sat, sad, d, g, sgt, sgp, p, seq, t0, t1, pa, pg, ga, gg);
 }
 
-FASTDP_MULTIVERSION double ghost_tile_f64(const double* a, int64_t sat, int64_t sad, int64_t d, const double* g,
+FASTDP_MULTIVERSION double ghost_tile_isa(const double* a, int64_t sat, int64_t sad, int64_t d, const double* g,
                                           int64_t sgt, int64_t sgp, int64_t p, int64_t seq, int64_t t0, int64_t t1,
                                           double* pa, double* pg, Vec<double>* ga, Vec<double>* gg) {
   return ghost_tile(a, sat, sad, d, g, sgt, sgp, p, seq, t0, t1, pa, pg, ga, gg);
@@ -301,13 +302,13 @@ __attribute__((always_inline)) inline double direct_tile(const F* a, int64_t sat
   return lane_sum<F>(sum);
 }
 
-FASTDP_MULTIVERSION double direct_tile_f32(const float* a, int64_t sat, int64_t sad, const float* g, int64_t sgt,
+FASTDP_MULTIVERSION double direct_tile_isa(const float* a, int64_t sat, int64_t sad, const float* g, int64_t sgt,
                                            int64_t sgp, int64_t seq, int64_t j0, int64_t j1, int64_t k0, int64_t k1,
                                            float* pa, Vec<float>* tile) {
   return direct_tile(a, sat, sad, g, sgt, sgp, seq, j0, j1, k0, k1, pa, tile);
 }
 
-FASTDP_MULTIVERSION double direct_tile_f64(const double* a, int64_t sat, int64_t sad, const double* g,
+FASTDP_MULTIVERSION double direct_tile_isa(const double* a, int64_t sat, int64_t sad, const double* g,
                                            int64_t sgt, int64_t sgp, int64_t seq, int64_t j0, int64_t j1, int64_t k0,
                                            int64_t k1, double* pa, Vec<double>* tile) {
   return direct_tile(a, sat, sad, g, sgt, sgp, seq, j0, j1, k0, k1, pa, tile);
@@ -338,12 +339,8 @@ void linear_sq_norms_ghost(const Strided3<F>& a, const Strided3<F>& g, double* o
       const int64_t i = item / tiles, t0 = (item % tiles) * TB, t1 = std::min(seq, t0 + TB);
       const F* ai = a.data + i * a.sb;
       const F* gi = g.data + i * g.sb;
-      if constexpr (sizeof(F) == 4)
-        partial[item] = ghost_tile_f32(ai, a.st, a.sk, a.dim, gi, g.st, g.sk, g.dim, seq, t0, t1, pa.get(), pg.get(),
-                                       ga.get(), gg.get());
-      else
-        partial[item] = ghost_tile_f64(ai, a.st, a.sk, a.dim, gi, g.st, g.sk, g.dim, seq, t0, t1, pa.get(), pg.get(),
-                                       ga.get(), gg.get());
+      partial[item] = ghost_tile_isa(ai, a.st, a.sk, a.dim, gi, g.st, g.sk, g.dim, seq, t0, t1, pa.get(), pg.get(),
+                                     ga.get(), gg.get());
     }
   }
   sum_partials(partial, batch, tiles, out);
@@ -364,10 +361,7 @@ void linear_sq_norms_direct(const Strided3<F>& a, const Strided3<F>& g, double* 
       const int64_t j1 = std::min(g.dim, j0 + TB), k1 = std::min(a.dim, k0 + TB);
       const F* ai = a.data + i * a.sb;
       const F* gi = g.data + i * g.sb;
-      if constexpr (sizeof(F) == 4)
-        partial[item] = direct_tile_f32(ai, a.st, a.sk, gi, g.st, g.sk, seq, j0, j1, k0, k1, pa.get(), tile.get());
-      else
-        partial[item] = direct_tile_f64(ai, a.st, a.sk, gi, g.st, g.sk, seq, j0, j1, k0, k1, pa.get(), tile.get());
+      partial[item] = direct_tile_isa(ai, a.st, a.sk, gi, g.st, g.sk, seq, j0, j1, k0, k1, pa.get(), tile.get());
     }
   }
   sum_partials(partial, batch, tiles, out);
@@ -471,12 +465,8 @@ void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& c, bool ghost
           }
         for (int64_t t0 = 0; t0 < wide.T; t0 += TB) {
           const int64_t t1 = std::min(wide.T, t0 + TB);
-          if constexpr (sizeof(F) == 4)
-            total += ghost_tile_f32(cols.get(), 1, wide.T, d, gwi, 1, wide.T, p, wide.T, t0, t1, pa.get(), pg.get(),
-                                    ga.get(), gg.get());
-          else
-            total += ghost_tile_f64(cols.get(), 1, wide.T, d, gwi, 1, wide.T, p, wide.T, t0, t1, pa.get(), pg.get(),
-                                    ga.get(), gg.get());
+          total += ghost_tile_isa(cols.get(), 1, wide.T, d, gwi, 1, wide.T, p, wide.T, t0, t1, pa.get(), pg.get(),
+                                  ga.get(), gg.get());
         }
       } else {
         // ||g_i^T a_i||^2 = ||a_i^T g_i||^2: tiles over (d, p) with vectors along p, read from g
@@ -497,11 +487,7 @@ void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& c, bool ghost
         for (int64_t j0 = 0; j0 < d; j0 += TB)
           for (int64_t k0 = 0; k0 < p; k0 += TB) {
             const int64_t j1 = std::min(d, j0 + TB), k1 = std::min(p, k0 + TB);
-            const F* rows = cols.get();
-            if constexpr (sizeof(F) == 4)
-              total += direct_tile_f32(gwi, p_pad, 1, rows, 1, wide.T, wide.T, j0, j1, k0, k1, pa.get(), ga.get());
-            else
-              total += direct_tile_f64(gwi, p_pad, 1, rows, 1, wide.T, wide.T, j0, j1, k0, k1, pa.get(), ga.get());
+            total += direct_tile_isa(gwi, p_pad, 1, cols.get(), 1, wide.T, wide.T, j0, j1, k0, k1, pa.get(), ga.get());
             if (grads) {  // the tile holds entry (j, k) = weight[grp * p + k, j] of sample i
               const int64_t col_blocks = (k1 - k0 + W - 1) / W;
               F* gi_out = grads + (i * c.out_channels + grp * p) * d;
