@@ -97,29 +97,46 @@ CONV_LAYERS = (  # (batch, C_in, C_out, image size, kernel, stride, padding): th
     (256, 1, 16, 28, 8, 2, 2), (256, 16, 32, 13, 4, 2, 0))
 
 
-def conv_rows(impls, device, repeat, timer, sync):
-    """The fused convolution norm against the rule's composed routes (unfold + ghost norm;
-    per-sample gradients from one grouped convolution), and the layer's non-private weight
-    gradient as a yardstick (extra column: kernel time / weight-gradient time)."""
-    if "conv_sq_norms" not in impls:
-        return
+def conv_case(b, cin, cout, size, k, stride, pad, device="cpu"):
+    """Random input and output gradient of a square 2-D convolution layer, its spec and weight shape."""
+    from fastdp.layers.conv import ConvSpec
+
+    out = (size + 2 * pad - k) // stride + 1
+    x, g = torch.randn(b, cin, size, size, device=device), torch.randn(b, cout, out, out, device=device)
+    return x, g, ConvSpec([stride] * 2, [pad] * 2, [1, 1], 1, [k, k]), (cout, cin, k, k)
+
+
+def conv_routes(x, g, spec, weight_shape, fused):
+    """Ways to the per-sample weight norms of one convolution: the rule's composed routes
+    (unfold + ghost norm; per-sample gradients from one grouped convolution) and ``fused``
+    (``ops.conv_sq_norms``' signature) for each route; plus, as a yardstick, the layer's
+    summed weight gradient, which is what the non-private step pays for it."""
     from fastdp.layers.base import sq_norms_of
-    from fastdp.layers.conv import ConvRule, ConvSpec, _convolution_backward
+    from fastdp.layers.conv import ConvRule, _convolution_backward
 
     rule = ConvRule()
+    seq, d, p = g[0, 0].numel(), x.shape[1] * spec.kernel[0] * spec.kernel[1], g.shape[1]
+    return {
+        "composed ghost (unfold)": lambda: rule._ghost_sq_norms(x, g, spec, d, p, seq),
+        "composed direct (grouped conv)": lambda: sq_norms_of(rule._per_sample_weight(x, g, spec, weight_shape)),
+        "native ghost": lambda: fused(x, g, spec, True)[0],
+        "native direct": lambda: fused(x, g, spec, False)[0],
+        "weight gradient": lambda: _convolution_backward(g, x, weight_shape, spec, 1, [False, True, False])[1],
+    }
+
+
+def conv_rows(impls, device, repeat, timer, sync):
+    """The fused convolution norm against the composed routes, and the extra column: kernel
+    time / the layer's weight-gradient time."""
+    if "conv_sq_norms" not in impls:
+        return
     for b, cin, cout, size, k, stride, pad in CONV_LAYERS:
-        x = torch.randn(b, cin, size, size, device=device)
-        out = (size + 2 * pad - k) // stride + 1
-        g = torch.randn(b, cout, out, out, device=device)
-        spec, shape = ConvSpec([stride] * 2, [pad] * 2, [1, 1], 1, [k, k]), (cout, cin, k, k)
-        seq, d = out * out, cin * k * k
-        t_weight = timer(lambda: _convolution_backward(g, x, shape, spec, 1, [False, True, False]), repeat, sync)
-        composed = {True: lambda: rule._ghost_sq_norms(x, g, spec, d, cout, seq),
-                    False: lambda: sq_norms_of(rule._per_sample_weight(x, g, spec, shape))}
-        for ghost in (True, False):
-            t_ref = timer(composed[ghost], repeat, sync)
-            t_k = timer(lambda: impls["conv_sq_norms"](x, g, spec, ghost), repeat, sync)
-            yield (f"conv {'ghost' if ghost else 'direct'} B{b} {cin}->{cout} {size}px k{k} s{stride}", t_ref, t_k,
+        routes = conv_routes(*conv_case(b, cin, cout, size, k, stride, pad, device), impls["conv_sq_norms"])
+        t_weight = timer(routes["weight gradient"], repeat, sync)
+        for route, composed in (("ghost", "composed ghost (unfold)"), ("direct", "composed direct (grouped conv)")):
+            t_ref = timer(routes[composed], repeat, sync)
+            t_k = timer(routes[f"native {route}"], repeat, sync)
+            yield (f"conv {route} B{b} {cin}->{cout} {size}px k{k} s{stride}", t_ref, t_k,
                    f"kernel/weight-grad {t_k / t_weight:.2f}")
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fastdp import ops
+from kernels_table import conv_case, conv_routes  # bench/ is on sys.path beside this file
 
 native = pytest.importorskip("fastdp._native_ops", reason="native extension not built")
 
@@ -82,12 +83,7 @@ def test_embedding_norms(benchmark, shape, impl):
 
 
 def _conv_case(shape):
-    from fastdp.layers.conv import ConvSpec
-
-    b, cin, cout, size, k, stride, pad = CONV[shape]
-    x = torch.randn(b, cin, size, size)
-    out = (size + 2 * pad - k) // stride + 1
-    return x, torch.randn(b, cout, out, out), ConvSpec([stride] * 2, [pad] * 2, [1, 1], 1, [k, k]), (cout, cin, k, k)
+    return conv_case(*CONV[shape])
 
 
 def _conv_loop(x, g, spec, weight_shape):
@@ -99,22 +95,8 @@ def _conv_loop(x, g, spec, weight_shape):
 
 
 def _conv_routes(x, g, spec, weight_shape):
-    from fastdp.layers.base import sq_norms_of
-    from fastdp.layers.conv import ConvRule
-
-    seq, d, p = g[0, 0].numel(), x.shape[1] * spec.kernel[0] * spec.kernel[1], g.shape[1]
-    rule = ConvRule()
-    return {
-        "loop": lambda: _conv_loop(x, g, spec, weight_shape),
-        "composed ghost (unfold)": lambda: rule._ghost_sq_norms(x, g, spec, d, p, seq),
-        "composed direct (grouped conv)": lambda: sq_norms_of(rule._per_sample_weight(x, g, spec, weight_shape)),
-        "native ghost": lambda: native.conv_sq_norms(x, g, spec, True)[0],
-        "native direct": lambda: native.conv_sq_norms(x, g, spec, False)[0],
-        # not a norm: the batch's summed weight gradient, what the non-private step pays for the layer
-        "weight gradient": lambda: torch.ops.aten.convolution_backward(
-            g, x, torch.empty(weight_shape), None, spec.stride, spec.padding, spec.dilation, False, [0, 0], 1,
-            [False, True, False])[1],
-    }
+    return {"loop": lambda: _conv_loop(x, g, spec, weight_shape),
+            **conv_routes(x, g, spec, weight_shape, native.conv_sq_norms)}
 
 
 @pytest.mark.parametrize("impl", ["loop", "composed ghost (unfold)", "composed direct (grouped conv)", "native ghost",
