@@ -103,6 +103,14 @@ void conv2d_sq_norms_t(const py::array_t<F, py::array::c_style>& x, const py::ar
   fastdp::conv2d_sq_norms<F>(x_p, g_p, c, ghost, out_p, grads_p);
 }
 
+// Binds the float32 and float64 instantiations of one kernel under one name (pybind11
+// picks the overload whose arrays match, since they are declared noconvert).
+template <typename F32, typename F64, typename... Args>
+void def_per_dtype(py::module_& m, const char* name, F32 f32, F64 f64, const char* doc, const Args&... args) {
+  m.def(name, f32, args..., doc);
+  m.def(name, f64, args..., doc);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -111,31 +119,24 @@ PYBIND11_MODULE(_C, m) {
   m.def("noisy_average", &noisy_average, py::arg("src"), py::arg("dst"), py::arg("std"), py::arg("divisor"),
         py::arg("seed"),
         "dst[i] = (src[i] + std * z_i) / divisor, z_i ~ N(0, 1) from Philox keyed by seed, counter by (i, element).");
-  const char* emb_doc = "out[i] = squared norm of sample i's embedding weight gradient (ids (B,T), g (B,T,D)).";
-  m.def("embedding_sq_norms", &embedding_sq_norms_t<float>, py::arg("ids"), py::arg("g").noconvert(),
-        py::arg("has_padding"), py::arg("padding_idx"), py::arg("out").noconvert(), emb_doc);
-  m.def("embedding_sq_norms", &embedding_sq_norms_t<double>, py::arg("ids"), py::arg("g").noconvert(),
-        py::arg("has_padding"), py::arg("padding_idx"), py::arg("out").noconvert(), emb_doc);
-  const char* ghost_doc =
-      "out[i] = ||g_i^T a_i||_F^2 from tiled Gram matrices (a (B,T,d), g (B,T,p), any strides; out (B,) float64).";
-  m.def("linear_sq_norms_ghost", &linear_sq_norms_t<float, fastdp::linear_sq_norms_ghost<float>>,
-        py::arg("a").noconvert(), py::arg("g").noconvert(), py::arg("out").noconvert(), ghost_doc);
-  m.def("linear_sq_norms_ghost", &linear_sq_norms_t<double, fastdp::linear_sq_norms_ghost<double>>,
-        py::arg("a").noconvert(), py::arg("g").noconvert(), py::arg("out").noconvert(), ghost_doc);
-  const char* direct_doc =
-      "out[i] = ||g_i^T a_i||_F^2 from tiles of g_i^T a_i (a (B,T,d), g (B,T,p), any strides; out (B,) float64).";
-  m.def("linear_sq_norms_direct", &linear_sq_norms_t<float, fastdp::linear_sq_norms_direct<float>>,
-        py::arg("a").noconvert(), py::arg("g").noconvert(), py::arg("out").noconvert(), direct_doc);
-  m.def("linear_sq_norms_direct", &linear_sq_norms_t<double, fastdp::linear_sq_norms_direct<double>>,
-        py::arg("a").noconvert(), py::arg("g").noconvert(), py::arg("out").noconvert(), direct_doc);
-  const char* conv_doc =
+  def_per_dtype(m, "embedding_sq_norms", &embedding_sq_norms_t<float>, &embedding_sq_norms_t<double>,
+                "out[i] = squared norm of sample i's embedding weight gradient (ids (B,T), g (B,T,D)).", py::arg("ids"),
+                py::arg("g").noconvert(), py::arg("has_padding"), py::arg("padding_idx"), py::arg("out").noconvert());
+  def_per_dtype(
+      m, "linear_sq_norms_ghost", &linear_sq_norms_t<float, fastdp::linear_sq_norms_ghost<float>>,
+      &linear_sq_norms_t<double, fastdp::linear_sq_norms_ghost<double>>,
+      "out[i] = ||g_i^T a_i||_F^2 from tiled Gram matrices (a (B,T,d), g (B,T,p), any strides; out (B,) float64).",
+      py::arg("a").noconvert(), py::arg("g").noconvert(), py::arg("out").noconvert());
+  def_per_dtype(
+      m, "linear_sq_norms_direct", &linear_sq_norms_t<float, fastdp::linear_sq_norms_direct<float>>,
+      &linear_sq_norms_t<double, fastdp::linear_sq_norms_direct<double>>,
+      "out[i] = ||g_i^T a_i||_F^2 from tiles of g_i^T a_i (a (B,T,d), g (B,T,p), any strides; out (B,) float64).",
+      py::arg("a").noconvert(), py::arg("g").noconvert(), py::arg("out").noconvert());
+  def_per_dtype(
+      m, "conv2d_sq_norms", &conv2d_sq_norms_t<float>, &conv2d_sq_norms_t<double>,
       "out[i] = squared norm of sample i's 2-D convolution weight gradient (x (B,C,H,W), g (B,C_out,OH,OW) "
       "C-contiguous; geometry (groups, kh, kw, sh, sw, ph, pw, dh, dw)), by the ghost or the direct route; "
-      "the direct route also writes the per-sample weight gradients to grads (B, C_out, C_in/groups, kh, kw) if given.";
-  m.def("conv2d_sq_norms", &conv2d_sq_norms_t<float>, py::arg("x").noconvert(), py::arg("g").noconvert(),
-        py::arg("geometry"), py::arg("ghost"), py::arg("out").noconvert(), py::arg("grads").noconvert() = py::none(),
-        conv_doc);
-  m.def("conv2d_sq_norms", &conv2d_sq_norms_t<double>, py::arg("x").noconvert(), py::arg("g").noconvert(),
-        py::arg("geometry"), py::arg("ghost"), py::arg("out").noconvert(), py::arg("grads").noconvert() = py::none(),
-        conv_doc);
+      "the direct route also writes the per-sample weight gradients to grads (B, C_out, C_in/groups, kh, kw) if given.",
+      py::arg("x").noconvert(), py::arg("g").noconvert(), py::arg("geometry"), py::arg("ghost"),
+      py::arg("out").noconvert(), py::arg("grads").noconvert() = py::none());
 }
