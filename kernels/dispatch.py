@@ -10,8 +10,10 @@ out of the default, selected by ``FASTDP_BACKEND=triton``:
 * the direct norm: slower than ``bmm`` on some shapes (0.24-2.5x);
 * the noise kernel: the CUDA C++ one in ``fastdp._cuda_ops`` is faster (the Triton one paid
   about 0.5 ms per call building its tables on the device; they are now built on the host
-  and copied once each, which has not been timed on a GPU yet). Under ``TRITON_INTERPRET=1`` all are also registered for
-``"cpu"`` tensors (forced only), so the test suite can run them.
+  and copied once each, which has not been timed on a GPU yet).
+
+Under ``TRITON_INTERPRET=1`` all are also registered for ``"cpu"`` tensors (forced only), so
+the test suite can run them.
 """
 import os
 
