@@ -445,6 +445,9 @@ def _ddp_rank(rank: int, port: int, config: str, quick: bool, min_time: float, b
         if rank == 0:
             with open(out_path, "w") as f:
                 json.dump(result, f)
+        # Leave together: a rank tearing down right after the last all-reduce sometimes
+        # aborted the other in gloo ("terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
