@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "embedding_norms.h"
+#include "group_norm.h"
 #include "linear_norms.h"
 #include "noise.h"
 
@@ -103,6 +104,29 @@ void conv2d_sq_norms_t(const py::array_t<F, py::array::c_style>& x, const py::ar
   fastdp::conv2d_sq_norms<F>(x_p, g_p, c, ghost, out_p, grads_p);
 }
 
+// x, dy (N, C, HW); mean, rstd (N, G); gamma (C) or None; dx (N, C, HW) or None; dgamma, dbeta (N, C).
+template <typename F>
+void group_norm_backward_t(const py::array_t<F, py::array::c_style>& x, const py::array_t<F, py::array::c_style>& dy,
+                           const py::array_t<F, py::array::c_style>& mean,
+                           const py::array_t<F, py::array::c_style>& rstd,
+                           std::optional<py::array_t<F, py::array::c_style>> gamma, int64_t groups,
+                           std::optional<py::array_t<F, py::array::c_style>> dx,
+                           py::array_t<F, py::array::c_style>& dgamma, py::array_t<F, py::array::c_style>& dbeta) {
+  if (x.ndim() != 3 || dy.ndim() != 3 || groups < 1)
+    throw std::invalid_argument("expected x and dy (N, C, HW) and groups >= 1");
+  const int64_t n = x.shape(0), c = x.shape(1), hw = x.shape(2);
+  if (c % groups || dy.shape(0) != n || dy.shape(1) != c || dy.shape(2) != hw || mean.size() != n * groups ||
+      rstd.size() != n * groups || (gamma && gamma->size() != c) || (dx && dx->size() != x.size()) ||
+      dgamma.size() != n * c || dbeta.size() != n * c)
+    throw std::invalid_argument("group_norm_backward: shapes do not match x (N, C, HW) and groups");
+  const F* gamma_p = gamma ? gamma->data() : nullptr;
+  F* dx_p = dx ? dx->mutable_data() : nullptr;
+  const F *x_p = x.data(), *dy_p = dy.data(), *mean_p = mean.data(), *rstd_p = rstd.data();
+  F *dgamma_p = dgamma.mutable_data(), *dbeta_p = dbeta.mutable_data();
+  py::gil_scoped_release release;
+  fastdp::group_norm_backward<F>(x_p, dy_p, mean_p, rstd_p, gamma_p, n, c, hw, groups, dx_p, dgamma_p, dbeta_p);
+}
+
 // Binds the float32 and float64 instantiations of one kernel under one name (pybind11
 // picks the overload whose arrays match, since they are declared noconvert).
 template <typename F32, typename F64, typename... Args>
@@ -139,4 +163,10 @@ PYBIND11_MODULE(_C, m) {
       "the direct route also writes the per-sample weight gradients to grads (B, C_out, C_in/groups, kh, kw) if given.",
       py::arg("x").noconvert(), py::arg("g").noconvert(), py::arg("geometry"), py::arg("ghost"),
       py::arg("out").noconvert(), py::arg("grads").noconvert() = py::none());
+  def_per_dtype(m, "group_norm_backward", &group_norm_backward_t<float>, &group_norm_backward_t<double>,
+                "GroupNorm backward (x, dy (N,C,HW); mean, rstd (N,G); gamma (C) or None): writes dx (or skips it "
+                "if None) and each sample's parameter gradients dgamma, dbeta (N,C).",
+                py::arg("x").noconvert(), py::arg("dy").noconvert(), py::arg("mean").noconvert(),
+                py::arg("rstd").noconvert(), py::arg("gamma").noconvert(), py::arg("groups"),
+                py::arg("dx").noconvert(), py::arg("dgamma").noconvert(), py::arg("dbeta").noconvert());
 }

@@ -104,3 +104,21 @@ def conv_sq_norms(x: torch.Tensor, g: torch.Tensor, spec, ghost: bool, keep_grad
     _C.conv2d_sq_norms(x4.numpy(), g4.numpy(), [spec.groups, *kernel, *stride, *padding, *dilation], ghost,
                        out.numpy(), None if grads is None else grads.numpy())
     return out, grads
+
+
+@ops.register("group_norm_backward", "native", "cpu")
+def group_norm_backward(g, x, mean, rstd, weight, groups: int, input_grad: bool):
+    """One pass per (sample, group): the per-channel sums give the per-sample gradients and
+    the input gradient, which is written while the group is still in cache."""
+    dtype = ops.kernel_dtype(x, g)
+    n, c = x.shape[:2]
+    x3, g3 = (t.detach().to(dtype).reshape(n, c, -1).contiguous() for t in (x, g))
+    mean, rstd = (t.detach().to(dtype).contiguous() for t in (mean, rstd))
+    gamma = None if weight is None else weight.detach().to(dtype).contiguous().numpy()
+    grad_x = torch.empty_like(g3) if input_grad else None
+    dgamma, dbeta = torch.empty(n, c, dtype=dtype), torch.empty(n, c, dtype=dtype)
+    _C.group_norm_backward(x3.numpy(), g3.numpy(), mean.numpy(), rstd.numpy(), gamma, groups,
+                           None if grad_x is None else grad_x.numpy(), dgamma.numpy(), dbeta.numpy())
+    if grad_x is not None:
+        grad_x = grad_x.view(g.shape).to(g.dtype)
+    return grad_x, dgamma, dbeta

@@ -22,6 +22,7 @@ Conventions shared by all implementations:
 """
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -214,7 +215,30 @@ def conv_sq_norms_ref(x: torch.Tensor, g: torch.Tensor, spec, ghost: bool, keep_
     return None
 
 
+def group_norm_backward_ref(g: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                            weight: Optional[torch.Tensor], groups: int, input_grad: bool):
+    """aten's GroupNorm input gradient (if ``input_grad``) and per-sample parameter gradients
+    from per-channel sums: ``dbeta_i = sum_s g``, ``dgamma_i = rstd (sum_s g x - mean sum_s g)``
+    (no ``x_hat`` is built). ``x``, ``g``: (B, C, *S) with B > 0; ``mean``, ``rstd``: (B, groups)
+    from the forward. Per-sample gradients are (B, C) in float32 for half-precision inputs."""
+    n, c = x.shape[:2]
+    hw = math.prod(x.shape[2:])
+    grad_x = None
+    if input_grad:
+        grad_x = torch.ops.aten.native_group_norm_backward(
+            g.contiguous(), x, mean, rstd, weight, n, c, hw, groups, [True, False, False])[0]
+    dtype = torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else g.dtype
+    g3, x3 = g.reshape(n, c, hw).to(dtype), x.reshape(n, c, hw).to(dtype)
+    sum_g = g3.sum(2)
+
+    def per_channel(stat):  # (B, groups) -> (B, C)
+        return stat.reshape(n, groups, 1).expand(n, groups, c // groups).reshape(n, c).to(dtype)
+
+    return grad_x, per_channel(rstd) * ((g3 * x3).sum(2) - per_channel(mean) * sum_g), sum_g
+
+
 _REFERENCE: Dict[str, Callable] = {
+    "group_norm_backward": group_norm_backward_ref,
     "conv_sq_norms": conv_sq_norms_ref,
     "linear_sq_norms_ghost": linear_sq_norms_ghost_ref,
     "linear_sq_norms_direct": linear_sq_norms_direct_ref,
@@ -255,3 +279,11 @@ def noisy_average(
     if not sums:
         return []
     return _call("noisy_average", sums[0].device, sums, std, divisor, seed, inplace=inplace)
+
+
+def group_norm_backward(g: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
+                        weight: Optional[torch.Tensor], groups: int,
+                        input_grad: bool) -> Tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """GroupNorm backward for the output gradient ``g`` of ``x`` (B, C, *S), B > 0: returns
+    ``(grad_x or None, per-sample weight gradients (B, C), per-sample bias gradients (B, C))``."""
+    return _call("group_norm_backward", x.device, g, x, mean, rstd, weight, groups, input_grad)

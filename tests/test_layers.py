@@ -120,7 +120,14 @@ def test_norm_layers(kind, batch, bias, seed):
     with torch.no_grad():  # move the affine parameters away from (1, 0)
         for p in layer.parameters():
             p.add_(torch.randn_like(p) * 0.5)
-    model = nn.Sequential(nn.Tanh(), layer, nn.Flatten(), nn.LazyLinear(3))
+    # a trainable layer before the norm layer, so that its input gradient counts too
+    if kind in ("group", "instance2d"):
+        before = nn.Conv2d(x.shape[1], x.shape[1], 1)
+    elif kind == "instance1d":
+        before = nn.Conv1d(x.shape[1], x.shape[1], 1)
+    else:
+        before = nn.Linear(x.shape[-1], x.shape[-1])
+    model = nn.Sequential(before, nn.Tanh(), layer, nn.Flatten(), nn.LazyLinear(3))
     with torch.no_grad():
         model(x)  # materialise the lazy layer
     check_exact(model, [x])

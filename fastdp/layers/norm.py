@@ -1,8 +1,9 @@
 """Normalisation layers with an elementwise affine: LayerNorm, RMSNorm, GroupNorm, InstanceNorm.
 
-LayerNorm and GroupNorm run fused (aten's native kernels, forward and input gradient);
-LayerNorm rebuilds the normalised input ``x_hat`` in backward from the saved mean and
-reciprocal std, GroupNorm needs only per-channel sums (its statistics are per group).
+LayerNorm and GroupNorm run fused: aten's native forward; LayerNorm's backward is aten's
+input gradient plus ``x_hat`` rebuilt from the saved mean and reciprocal std, GroupNorm's is
+``ops.group_norm_backward``, whose per-channel sums give both the per-sample gradients and
+the input gradient (one pass per sample and group in the C++ kernel).
 RMSNorm and InstanceNorm run the parameter-free normalisation in plain autograd and hook
 only the affine map ``y = x_hat * weight + bias``. Per-sample gradients are cheap to instantiate:
 weight: ``x_hat * g`` summed over the positions that share a weight entry; bias: ``g`` summed.
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastdp import ops
 from fastdp.layers import register
 from fastdp.layers.base import LayerRule, Record, Tap, UnsupportedModuleError
 
@@ -114,21 +116,18 @@ class _FusedGroupNormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, groups, eps, tap):
         n, c = x.shape[:2]
-        hw = x[0, 0].numel()
-        y, mean, rstd = torch.ops.aten.native_group_norm(x, weight, bias, n, c, hw, groups, eps)
+        y, mean, rstd = torch.ops.aten.native_group_norm(x, weight, bias, n, c, x[0, 0].numel(), groups, eps)
         ctx.save_for_backward(x, weight, mean, rstd)
-        ctx.sizes, ctx.tap = (n, c, hw, groups), tap
+        ctx.groups, ctx.tap = groups, tap
         return y
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, mean, rstd = ctx.saved_tensors
-        n, c, hw, groups = ctx.sizes
-        ctx.tap.fire(((x, mean, rstd, groups), True), grad_out)  # x_hat is never built: see GroupNormRule
-        grad_x = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch.ops.aten.native_group_norm_backward(
-                grad_out.contiguous(), x, mean, rstd, weight, n, c, hw, groups, [True, False, False])[0]
+        grad_x, weight_grads, bias_grads = ops.group_norm_backward(
+            grad_out, x, mean, rstd, weight, ctx.groups, ctx.needs_input_grad[0])
+        # the per-sample gradients come with the input gradient: x_hat is never built
+        ctx.tap.fire(({"weight": weight_grads, "bias": bias_grads}, True), grad_out)
         return grad_x, None, None, None, None, None
 
 
@@ -167,24 +166,11 @@ class GroupNormRule(_AffineNormRule):
         return F.group_norm(x, module.num_groups, None, None, module.eps)
 
     def per_sample_grads(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
-        """From the fused path's statistics, as aten's GroupNorm backward does: per sample and
-        channel, the weight's gradient is ``sum_s g x_hat = rstd (sum_s g x - mean sum_s g)``
-        and the bias's ``sum_s g``; no (B, C, *S) temporary besides ``g * x``."""
-        stats, _ = rec.activation
-        if not isinstance(stats, tuple):  # the unfused path saved x_hat
+        """The fused path's backward already computed them (``ops.group_norm_backward``)."""
+        computed, _ = rec.activation
+        if not isinstance(computed, dict):  # the unfused path saved x_hat
             return super().per_sample_grads(rec, names)
-        x, mean, rstd, groups = stats
-        g = rec.grad_output
-        n, c = x.shape[:2]
-        g3, x3 = g.reshape(n, c, -1), x.reshape(n, c, -1).to(g.dtype)
-        sum_g = g3.sum(2)
-        out = {"bias": sum_g}
-        if "weight" in names:
-            def per_channel(stat):  # (n, groups) -> (n, c)
-                return stat.reshape(n, groups, 1).expand(n, groups, c // groups).reshape(n, c).to(g.dtype)
-
-            out["weight"] = per_channel(rstd) * ((g3 * x3).sum(2) - per_channel(mean) * sum_g)
-        return {name: out[name] for name in names}
+        return {name: computed[name] for name in names}
 
 
 class InstanceNormRule(_AffineNormRule):
