@@ -140,6 +140,40 @@ def conv_rows(impls, device, repeat, timer, sync):
                    f"kernel/weight-grad {t_k / t_weight:.2f}")
 
 
+GROUP_NORM_LAYERS = ((128, 32, 32, 8), (128, 64, 16, 8), (128, 64, 8, 8), (128, 128, 4, 8))  # the CIFAR CNN's: B, C, size, groups
+
+
+def group_norm_case(b, c, size, groups, device="cpu"):
+    """Input, weight, saved statistics and output gradient of a GroupNorm layer."""
+    x, weight, bias = torch.randn(b, c, size, size, device=device), torch.randn(c, device=device), torch.randn(c, device=device)
+    _, mean, rstd = torch.ops.aten.native_group_norm(x, weight, bias, b, c, size * size, groups, 1e-5)
+    return torch.randn_like(x), x, mean, rstd, weight, groups
+
+
+def group_norm_routes(case, fused):
+    """The reference (aten's input gradient plus per-channel sums), ``fused`` (the op's
+    signature) and, as a yardstick, aten's full backward: what the non-private step pays."""
+    g, x, mean, rstd, weight, groups = case
+    b, c = x.shape[:2]
+    return {
+        "reference": lambda: ops.group_norm_backward_ref(*case, True),
+        "native": lambda: fused(*case, True),
+        "aten backward": lambda: torch.ops.aten.native_group_norm_backward(
+            g, x, mean, rstd, weight, b, c, x[0, 0].numel(), groups, [True, True, True]),
+    }
+
+
+def group_norm_rows(impls, device, repeat, timer, sync):
+    """GroupNorm backward with per-sample gradients against the reference; the extra column:
+    kernel time / aten's non-private backward."""
+    if "group_norm_backward" not in impls:
+        return
+    for b, c, size, groups in GROUP_NORM_LAYERS:
+        routes = group_norm_routes(group_norm_case(b, c, size, groups, device), impls["group_norm_backward"])
+        t_ref, t_k, t_aten = (timer(routes[r], repeat, sync) for r in ("reference", "native", "aten backward"))
+        yield f"group norm backward B{b} C{c} {size}px G{groups}", t_ref, t_k, f"kernel/aten-backward {t_k / t_aten:.2f}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cuda", action="store_true", help="time the Triton and CUDA C++ kernels on the GPU")
@@ -162,6 +196,7 @@ def main() -> None:
     print(f"{'case':48s} {'torch ms':>9s} {'kernel ms':>9s} {'ratio':>6s}")
     rows = list(norm_rows(impls, device, args.repeat, timer, sync))
     rows += list(conv_rows(impls, device, args.repeat, timer, sync))
+    rows += list(group_norm_rows(impls, device, args.repeat, timer, sync))
     rows += list(noise_rows(noise_impls, device, args.repeat, timer, sync))
     for label, t_ref, t_k, extra in rows:
         print(f"{label:48s} {t_ref:9.3f} {t_k:9.3f} {t_ref / t_k:6.2f}  {extra}", flush=True)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fastdp import ops
-from kernels_table import conv_case, conv_routes  # bench/ is on sys.path beside this file
+from kernels_table import conv_case, conv_routes, group_norm_case, group_norm_routes  # bench/ is on sys.path
 
 native = pytest.importorskip("fastdp._native_ops", reason="native extension not built")
 
@@ -22,6 +22,7 @@ EMBEDDING = {"B64 T128 D256 V1000": (64, 128, 256, 1000)}
 CONV = {"CIFAR conv1 B128 3-32 32px k3": (128, 3, 32, 32, 3, 1, 1),
         "CIFAR conv3 B128 64-64 8px k3": (128, 64, 64, 8, 3, 1, 1),
         "MNIST conv1 B256 1-16 28px k8 s2": (256, 1, 16, 28, 8, 2, 2)}
+GROUP_NORM = {"CIFAR gn1 B128 C32 32px G8": (128, 32, 32, 8), "CIFAR gn3 B128 C64 8px G8": (128, 64, 8, 8)}
 
 
 def _noise_loop(sums, std, divisor):
@@ -107,6 +108,27 @@ def test_conv_norms(benchmark, shape, impl):
     benchmark(_conv_routes(*_conv_case(shape))[impl])
 
 
+def _group_norm_loop(g, x, mean, rstd, weight, groups):
+    """Per-example loop: autograd through each sample's group norm (input and parameter gradients)."""
+    out = []
+    for i in range(x.shape[0]):
+        xi, wi = x[i:i + 1].clone().requires_grad_(), weight.clone().requires_grad_()
+        bi = torch.zeros_like(weight, requires_grad=True)
+        out.append(torch.autograd.grad(torch.nn.functional.group_norm(xi, groups, wi, bi, 1e-5), (xi, wi, bi), g[i:i + 1]))
+    return [torch.cat([o[0] for o in out]), *(torch.stack([o[k] for o in out]) for k in (1, 2))]
+
+
+def _group_norm_routes(case):
+    return {"loop": lambda: _group_norm_loop(*case), **group_norm_routes(case, native.group_norm_backward)}
+
+
+@pytest.mark.parametrize("impl", ["loop", "reference", "native", "aten backward"])
+@pytest.mark.parametrize("shape", list(GROUP_NORM))
+def test_group_norm_backward(benchmark, shape, impl):
+    benchmark.group = f"group norm backward {shape}"
+    benchmark(_group_norm_routes(group_norm_case(*GROUP_NORM[shape]))[impl])
+
+
 def test_references_agree():
     """The rows above compute the same numbers (so the ratios compare like with like)."""
     a, g = torch.randn(4, 70, 33), torch.randn(4, 70, 20)
@@ -125,3 +147,11 @@ def test_references_agree():
         routes.pop("weight gradient")
         for route in routes.values():
             torch.testing.assert_close(route(), want, rtol=1e-5, atol=0)
+    for shape in GROUP_NORM:
+        g, x, mean, rstd, weight, groups = group_norm_case(*GROUP_NORM[shape])
+        routes = _group_norm_routes((g[:3], x[:3], mean[:3], rstd[:3], weight, groups))
+        want = routes.pop("loop")()
+        routes.pop("aten backward")
+        for route in routes.values():
+            for got, exact in zip(route(), want):
+                torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-4)
