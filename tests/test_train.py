@@ -118,15 +118,22 @@ def test_batch_larger_than_dataset_is_rejected():
         train(TrainConfig(dataset="digits", subset=100, batch_size=200, progress=False))
 
 
-def test_fast_max_pool_matches_torch():
-    x = torch.randn(3, 4, 9, 7, dtype=torch.float64, requires_grad=True)
+@pytest.mark.parametrize("ties", [False, True])
+def test_fast_max_pool_matches_torch(ties):
+    """Values and gradients of nn.MaxPool2d(2, stride=1), ties (saturated tanh) included:
+    the gradient goes to each window's first maximum in raster order."""
+    torch.manual_seed(int(ties))
+    x = torch.randn(3, 4, 9, 7, dtype=torch.float64)
+    if ties:
+        x = torch.tanh(4 * x).clamp(-0.9, 0.9).round(decimals=1)  # many equal values
+    x.requires_grad_()
     ours = MaxPool2x2Stride1()(x)
     ref = nn.MaxPool2d(2, stride=1)(x)
     assert torch.equal(ours, ref)
     w = torch.randn_like(ref)
     (g1,) = torch.autograd.grad((ours * w).sum(), x)
     (g2,) = torch.autograd.grad((ref * w).sum(), x)
-    assert torch.allclose(g1, g2)
+    torch.testing.assert_close(g1, g2, rtol=1e-12, atol=1e-12)
 
 
 def test_models_fit_their_inputs():
