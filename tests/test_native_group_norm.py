@@ -60,7 +60,11 @@ def _check(result, x, weight, bias, g, groups, dtype):
        affine=st.booleans(), dtype=st.sampled_from([torch.float32, torch.float64]),
        seed=st.integers(0, 2**31 - 1))
 def test_matches_autograd_per_sample(impl, batch, groups, per_group, spatial, affine, dtype, seed):
-    assume(per_group * math.prod(spatial) > 1)  # F.group_norm refuses one value per group
+    values = per_group * math.prod(spatial)
+    assume(values > 1)  # F.group_norm refuses one value per group
+    # In float32 a group of a few values can have a variance near 0, where rstd (up to
+    # 1/sqrt(eps)) amplifies rounding in any float32 implementation: float64 covers those.
+    assume(dtype == torch.float64 or values >= 8)
     x, weight, bias, mean, rstd, g = _case(batch, groups, per_group, spatial, affine, dtype, seed)
     result = IMPLEMENTATIONS[impl](g, x, mean, rstd, weight, groups, True)
     assert result[0].dtype == dtype and result[1].dtype == dtype
