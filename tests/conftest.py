@@ -9,3 +9,15 @@ def float64():
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(old)
+
+
+@pytest.fixture
+def use_backend(monkeypatch):
+    """``use_backend(name)`` forces FASTDP_BACKEND=name for the test; ``use_backend(None)``
+    unsets it (the automatic choice)."""
+    def use(name):
+        if name is None:
+            monkeypatch.delenv("FASTDP_BACKEND", raising=False)
+        else:
+            monkeypatch.setenv("FASTDP_BACKEND", name)
+    return use

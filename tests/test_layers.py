@@ -66,13 +66,10 @@ def test_conv_any_geometry(case):
 @pytest.mark.parametrize("route", ["ghost", "direct"])
 @pytest.mark.parametrize("groups", [1, 4])
 @pytest.mark.parametrize("backend", ["reference", None])  # composed routes, or the fused kernel where built
-def test_conv_both_routes(monkeypatch, route, groups, backend):
+def test_conv_both_routes(monkeypatch, use_backend, route, groups, backend):
     import fastdp.layers.conv as conv
 
-    if backend is None:
-        monkeypatch.delenv("FASTDP_BACKEND", raising=False)
-    else:
-        monkeypatch.setenv("FASTDP_BACKEND", backend)
+    use_backend(backend)
     monkeypatch.setattr(conv, "AUTOTUNE", False)
     monkeypatch.setattr(conv, "route_costs", lambda t, d, p: (0, 1) if route == "ghost" else (1, 0))
     torch.manual_seed(groups)

@@ -95,12 +95,9 @@ def test_declines_what_it_does_not_take(monkeypatch):
 
 
 @pytest.mark.parametrize("backend", ["native", None, "reference"])
-def test_dispatch(monkeypatch, backend):
+def test_dispatch(use_backend, backend):
     """The CPU default and FASTDP_BACKEND=native take the kernel; the reference composes (None)."""
-    if backend is None:
-        monkeypatch.delenv("FASTDP_BACKEND", raising=False)
-    else:
-        monkeypatch.setenv("FASTDP_BACKEND", backend)
+    use_backend(backend)
     x, g, spec = _case(2, 2, 1, 2, 3, 3, 1, 1, 1, 6, torch.float64, 4)
     out = ops.conv_sq_norms(x, g, spec, True)
     if backend == "reference":

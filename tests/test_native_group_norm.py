@@ -89,12 +89,9 @@ def test_bfloat16_runs_in_float32():
 
 
 @pytest.mark.parametrize("backend", ["native", None, "reference"])
-def test_dispatch(monkeypatch, backend):
+def test_dispatch(use_backend, backend):
     """The CPU default and FASTDP_BACKEND=native take the kernel; both backends are exact."""
-    if backend is None:
-        monkeypatch.delenv("FASTDP_BACKEND", raising=False)
-    else:
-        monkeypatch.setenv("FASTDP_BACKEND", backend)
+    use_backend(backend)
     x, weight, bias, mean, rstd, g = _case(2, 2, 2, [4, 3], True, torch.float64, 7)
     assert ops.implementation("group_norm_backward", x.device)[0] == (backend or "native")
     _check(ops.group_norm_backward(g, x, mean, rstd, weight, 2, True), x, weight, bias, g, 2, torch.float64)

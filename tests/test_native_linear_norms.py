@@ -74,12 +74,9 @@ def test_other_dtypes_and_grad_tensors(name):
 
 
 @pytest.mark.parametrize("backend", ["native", None])
-def test_registered_forced_and_auto(monkeypatch, backend):
+def test_registered_forced_and_auto(use_backend, backend):
     """Measured faster than the bmm references (bench/linear_norms_cpu.py): the CPU default."""
-    if backend is None:
-        monkeypatch.delenv("FASTDP_BACKEND", raising=False)
-    else:
-        monkeypatch.setenv("FASTDP_BACKEND", backend)
+    use_backend(backend)
     registered = {"ghost": native.linear_sq_norms_ghost, "direct": native.linear_sq_norms_direct}
     for name, fn in registered.items():
         assert ops.implementation(f"linear_sq_norms_{name}", torch.device("cpu")) == ("native", fn)
