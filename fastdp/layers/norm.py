@@ -131,12 +131,38 @@ class _FusedGroupNormFn(torch.autograd.Function):
         return grad_x, None, None, None, None, None
 
 
+# Whether a functional norm, under the autocast state of the key, computes in its input's own
+# dtype: then the fused path (aten's native kernel on the same input) matches it exactly. CPU
+# autocast leaves layer and group norm alone; CUDA autocast runs them in float32, and there
+# the unfused path keeps autocast's casts.
+_AUTOCAST_KEEPS_DTYPE: Dict[tuple, bool] = {}
+
+
+def _fused_path_matches_autocast(norm, x: torch.Tensor) -> bool:
+    device = x.device.type
+    if not torch.is_autocast_enabled(device):
+        return True
+    key = (norm, device, x.dtype, torch.get_autocast_dtype(device))
+    if key not in _AUTOCAST_KEEPS_DTYPE:
+        probe = torch.zeros(1, 1, 2, device=x.device, dtype=x.dtype)
+        _AUTOCAST_KEEPS_DTYPE[key] = norm(probe).dtype == x.dtype
+    return _AUTOCAST_KEEPS_DTYPE[key]
+
+
+def _probe_layer_norm(x):
+    return F.layer_norm(x, x.shape[-1:])
+
+
+def _probe_group_norm(x):
+    return F.group_norm(x, 1)
+
+
 class LayerNormRule(_AffineNormRule):
     module_types = (nn.LayerNorm,)
 
     def forward(self, module, tap: Tap, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() < 2 or x.shape[0] == 0 or torch.is_autocast_enabled(x.device.type):
-            return super().forward(module, tap, x)  # checks, empty batch, autocast: unfused path
+        if x.dim() < 2 or x.shape[0] == 0 or not _fused_path_matches_autocast(_probe_layer_norm, x):
+            return super().forward(module, tap, x)  # checks, empty batch, autocast casts: unfused path
         return _FusedLayerNormFn.apply(x.contiguous(), module.weight, module.bias,
                                        list(module.normalized_shape), module.eps, tap)
 
@@ -157,8 +183,8 @@ class GroupNormRule(_AffineNormRule):
     channel_dim = True
 
     def forward(self, module, tap: Tap, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() < 2 or x.shape[0] == 0 or torch.is_autocast_enabled(x.device.type):
-            return super().forward(module, tap, x)  # checks, empty batch, autocast: unfused path
+        if x.dim() < 2 or x.shape[0] == 0 or not _fused_path_matches_autocast(_probe_group_norm, x):
+            return super().forward(module, tap, x)  # checks, empty batch, autocast casts: unfused path
         return _FusedGroupNormFn.apply(x.contiguous(), module.weight, module.bias, module.num_groups,
                                        module.eps, tap)
 
