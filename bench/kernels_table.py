@@ -140,12 +140,14 @@ def conv_rows(impls, device, repeat, timer, sync):
                    f"kernel/weight-grad {t_k / t_weight:.2f}")
 
 
-GROUP_NORM_LAYERS = ((128, 32, 32, 8), (128, 64, 16, 8), (128, 64, 8, 8), (128, 128, 4, 8))  # the CIFAR CNN's: B, C, size, groups
+# (batch, channels, image size, groups): the CIFAR CNN's GroupNorm layers
+GROUP_NORM_LAYERS = ((128, 32, 32, 8), (128, 64, 16, 8), (128, 64, 8, 8), (128, 128, 4, 8))
 
 
 def group_norm_case(b, c, size, groups, device="cpu"):
     """Input, weight, saved statistics and output gradient of a GroupNorm layer."""
-    x, weight, bias = torch.randn(b, c, size, size, device=device), torch.randn(c, device=device), torch.randn(c, device=device)
+    x = torch.randn(b, c, size, size, device=device)
+    weight, bias = torch.randn(c, device=device), torch.randn(c, device=device)
     _, mean, rstd = torch.ops.aten.native_group_norm(x, weight, bias, b, c, size * size, groups, 1e-5)
     return torch.randn_like(x), x, mean, rstd, weight, groups
 
@@ -171,7 +173,8 @@ def group_norm_rows(impls, device, repeat, timer, sync):
     for b, c, size, groups in GROUP_NORM_LAYERS:
         routes = group_norm_routes(group_norm_case(b, c, size, groups, device), impls["group_norm_backward"])
         t_ref, t_k, t_aten = (timer(routes[r], repeat, sync) for r in ("reference", "native", "aten backward"))
-        yield f"group norm backward B{b} C{c} {size}px G{groups}", t_ref, t_k, f"kernel/aten-backward {t_k / t_aten:.2f}"
+        yield (f"group norm backward B{b} C{c} {size}px G{groups}", t_ref, t_k,
+               f"kernel/aten-backward {t_k / t_aten:.2f}")
 
 
 def main() -> None:

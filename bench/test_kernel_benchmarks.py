@@ -114,7 +114,8 @@ def _group_norm_loop(g, x, mean, rstd, weight, groups):
     for i in range(x.shape[0]):
         xi, wi = x[i:i + 1].clone().requires_grad_(), weight.clone().requires_grad_()
         bi = torch.zeros_like(weight, requires_grad=True)
-        out.append(torch.autograd.grad(torch.nn.functional.group_norm(xi, groups, wi, bi, 1e-5), (xi, wi, bi), g[i:i + 1]))
+        out_i = torch.nn.functional.group_norm(xi, groups, wi, bi, 1e-5)
+        out.append(torch.autograd.grad(out_i, (xi, wi, bi), g[i:i + 1]))
     return [torch.cat([o[0] for o in out]), *(torch.stack([o[k] for o in out]) for k in (1, 2))]
 
 
