@@ -95,7 +95,7 @@ def test_embedding_repeated_tokens_and_padding(batch, seq, vocab, dim, padding, 
     check_exact(model, [ids])
 
 
-norm_cases = st.sampled_from(["layer", "layer2d", "rms", "group", "instance1d", "instance2d"])
+norm_cases = st.sampled_from(["layer", "layer2d", "rms", "group", "group1d", "group0d", "instance1d", "instance2d"])
 
 
 @SETTINGS
@@ -110,6 +110,10 @@ def test_norm_layers(kind, batch, bias, seed):
         layer, x = nn.RMSNorm(6, eps=1e-5), torch.randn(batch, 4, 6)
     elif kind == "group":
         layer, x = nn.GroupNorm(2, 4), torch.randn(batch, 4, 3, 3)
+    elif kind == "group1d":
+        layer, x = nn.GroupNorm(3, 6), torch.randn(batch, 6, 5)
+    elif kind == "group0d":
+        layer, x = nn.GroupNorm(2, 6), torch.randn(batch, 6)
     elif kind == "instance1d":
         layer, x = nn.InstanceNorm1d(3, affine=True), torch.randn(batch, 3, 7)
     else:
@@ -120,9 +124,9 @@ def test_norm_layers(kind, batch, bias, seed):
     # a trainable layer before the norm layer, so that its input gradient counts too
     if kind in ("group", "instance2d"):
         before = nn.Conv2d(x.shape[1], x.shape[1], 1)
-    elif kind == "instance1d":
+    elif kind in ("group1d", "instance1d"):
         before = nn.Conv1d(x.shape[1], x.shape[1], 1)
-    else:
+    else:  # a linear layer on the last dim (the channels, for group0d)
         before = nn.Linear(x.shape[-1], x.shape[-1])
     model = nn.Sequential(before, nn.Tanh(), layer, nn.Flatten(), nn.LazyLinear(3))
     with torch.no_grad():
