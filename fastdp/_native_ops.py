@@ -94,7 +94,7 @@ def conv_sq_norms(x: torch.Tensor, g: torch.Tensor, spec, ghost: bool, keep_grad
     if x.shape[1] // spec.groups * kernel[0] * kernel[1] * g[0, 0].numel() > CONV_MAX_UNFOLDED:
         return None
     dtype = ops.kernel_dtype(x, g)
-    x4, g4 = (t.detach().to(dtype).contiguous() for t in (x, g))
+    x4, g4 = (ops.kernel_operand(t, dtype) for t in (x, g))
     if nd == 1:
         x4, g4 = x4.unsqueeze(2), g4.unsqueeze(2)
     out = torch.empty(x.shape[0], dtype=torch.float64)
@@ -112,9 +112,9 @@ def group_norm_backward(g, x, mean, rstd, weight, groups: int, input_grad: bool)
     the input gradient, which is written while the group is still in cache."""
     dtype = ops.kernel_dtype(x, g)
     n, c = x.shape[:2]
-    x3, g3 = (t.detach().to(dtype).reshape(n, c, -1).contiguous() for t in (x, g))
-    mean, rstd = (t.detach().to(dtype).contiguous() for t in (mean, rstd))
-    gamma = None if weight is None else weight.detach().to(dtype).contiguous().numpy()
+    x3, g3 = (ops.kernel_operand(t.reshape(n, c, -1), dtype) for t in (x, g))
+    mean, rstd = (ops.kernel_operand(t, dtype) for t in (mean, rstd))
+    gamma = None if weight is None else ops.kernel_operand(weight, dtype).numpy()
     grad_x = torch.empty_like(g3) if input_grad else None
     dgamma, dbeta = torch.empty(n, c, dtype=dtype), torch.empty(n, c, dtype=dtype)
     _C.group_norm_backward(x3.numpy(), g3.numpy(), mean.numpy(), rstd.numpy(), gamma, groups,

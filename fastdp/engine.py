@@ -24,7 +24,8 @@ import torch
 from torch import nn
 
 from fastdp.layers import Record, Tap, UnsupportedModuleError, rule_for
-from fastdp.layers.base import compute_dtype, sq_norms_of, weighted_sum
+from fastdp.layers.base import sq_norms_of, weighted_sum
+from fastdp.ops import compute_dtype
 from fastdp.validate import validate
 
 LOSS_REDUCTIONS = ("mean", "sum")

@@ -122,14 +122,20 @@ def kernel_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return dtype if dtype in KERNEL_FLOATS else torch.float32
 
 
-def kernel_operand(t: torch.Tensor) -> torch.Tensor:
-    """Detached, contiguous float32/float64 version of ``t`` (no copy when already so);
-    other dtypes go through float32."""
+def kernel_operand(t: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Detached, contiguous version of ``t`` in ``dtype`` (default: ``kernel_dtype(t)``), no copy
+    when already so. Pass the ``kernel_dtype`` of all of a kernel's operands to give them one."""
     if t.requires_grad:
         t = t.detach()
-    if t.dtype not in KERNEL_FLOATS:
-        t = t.to(kernel_dtype(t))
+    dtype = dtype or kernel_dtype(t)
+    if t.dtype != dtype:
+        t = t.to(dtype)
     return t if t.is_contiguous() else t.contiguous()
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype per-sample quantities are computed in: float32 for half precision."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def in_input_dtypes(outs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> List[torch.Tensor]:
@@ -227,7 +233,7 @@ def group_norm_backward_ref(g: torch.Tensor, x: torch.Tensor, mean: torch.Tensor
     if input_grad:
         grad_x = torch.ops.aten.native_group_norm_backward(
             g.contiguous(), x, mean, rstd, weight, n, c, hw, groups, [True, False, False])[0]
-    dtype = torch.float32 if g.dtype in (torch.float16, torch.bfloat16) else g.dtype
+    dtype = compute_dtype(g.dtype)
     g3, x3 = g.reshape(n, c, hw).to(dtype), x.reshape(n, c, hw).to(dtype)
     sum_g = g3.sum(2)
 

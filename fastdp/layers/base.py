@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 import torch
 from torch import nn
 
-from fastdp.ops import sum_to_float64
+from fastdp.ops import compute_dtype, sum_to_float64
 
 # Per-sample tensors larger than this many elements are processed in batch chunks.
 CHUNK_ELEMENTS = 1 << 24
@@ -86,11 +86,6 @@ class Tap:
         params = {name: getattr(self.module, name) for name in self.names}
         self.sink(Record(self.module, self.rule, params, _widen(activation), _widen(grad_output),
                          grad_output.shape[0]))
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype per-sample quantities are computed in: float32 for half precision."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def _widen(x: Any) -> Any:
