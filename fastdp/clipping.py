@@ -6,13 +6,14 @@ which scales the noise (std = noise_multiplier * sensitivity on the sum).
 
 ``scale``: the norms given are of the per-sample gradients divided by ``scale`` (a mean
 loss divides them by the batch size), and the coefficients returned apply to those divided
-gradients: ``scale * c(scale^2 * sq_norms)``. Flat and automatic clipping return one tensor
-shared by all parameters.
+gradients: ``scale * c(scale^2 * sq_norms)``. ``total_sq``, where the caller has it, is the
+per-sample sum of ``sq_norms`` over parameters (not modified). Flat and automatic clipping
+return one tensor shared by all parameters.
 """
 from __future__ import annotations
 
 import math
-from typing import Dict, Mapping, Sequence, Union
+from typing import Dict, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -31,12 +32,16 @@ class FlatClipping:
         return self.max_grad_norm
 
     @staticmethod
-    def total_norms(sq_norms: Mapping[object, torch.Tensor], scale: float = 1.0) -> torch.Tensor:
+    def total_norms(sq_norms: Mapping[object, torch.Tensor], scale: float = 1.0,
+                    total_sq: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Per-sample norm of the whole (undivided) gradient, ``(B,)``."""
-        return torch.stack(list(sq_norms.values())).sum(0).sqrt_().mul_(scale)
+        if total_sq is None:
+            total_sq = torch.stack(list(sq_norms.values())).sum(0)
+        return total_sq.sqrt().mul_(scale)
 
-    def coefficients(self, sq_norms: Mapping[object, torch.Tensor], scale: float = 1.0) -> Dict[object, torch.Tensor]:
-        coef = (self.max_grad_norm / (self.total_norms(sq_norms, scale) + EPS)).clamp_(max=1.0).mul_(scale)
+    def coefficients(self, sq_norms: Mapping[object, torch.Tensor], scale: float = 1.0,
+                     total_sq: Optional[torch.Tensor] = None) -> Dict[object, torch.Tensor]:
+        coef = (self.max_grad_norm / (self.total_norms(sq_norms, scale, total_sq) + EPS)).clamp_(max=1.0).mul_(scale)
         return {p: coef for p in sq_norms}
 
 
@@ -47,8 +52,8 @@ class AutomaticClipping(FlatClipping):
         super().__init__(max_grad_norm)
         self.gamma = _positive(gamma, "gamma")
 
-    def coefficients(self, sq_norms, scale: float = 1.0):
-        coef = (self.max_grad_norm / (self.total_norms(sq_norms, scale) + self.gamma)).mul_(scale)
+    def coefficients(self, sq_norms, scale: float = 1.0, total_sq: Optional[torch.Tensor] = None):
+        coef = (self.max_grad_norm / (self.total_norms(sq_norms, scale, total_sq) + self.gamma)).mul_(scale)
         return {p: coef for p in sq_norms}
 
 
@@ -76,7 +81,7 @@ class PerLayerClipping:
     def sensitivity(self) -> float:
         return math.sqrt(sum(c * c for c in self.bounds.values()))
 
-    def coefficients(self, sq_norms, scale: float = 1.0):
+    def coefficients(self, sq_norms, scale: float = 1.0, total_sq: Optional[torch.Tensor] = None):
         return {p: (self.bounds[p] / (n.sqrt() * scale + EPS)).clamp_(max=1.0).mul_(scale)
                 for p, n in sq_norms.items()}
 

@@ -149,15 +149,18 @@ class GradSampleEngine:
         for p, grads in shared.items():
             sq_norms[p] = sq_norms_of(grads)
 
-        bad = self._nonfinite_samples(sq_norms)
+        # per sample, over all parameters: checked for NaN/Inf here, the flat norm to clip
+        total_sq = torch.stack(list(sq_norms.values())).sum(0) if sq_norms else None
+        bad = self._nonfinite_samples(sq_norms, total_sq)
         if bad is not None:
             sq_norms = {p: torch.where(bad, 0.0, n) for p, n in sq_norms.items()}
+            total_sq = torch.where(bad, 0.0, total_sq)
             for rec in records:
                 rec.zero_samples(bad)
             shared = {p: torch.nan_to_num(g * (~bad).view(-1, *[1] * (g.dim() - 1)), 0.0, 0.0, 0.0)
                       for p, g in shared.items()}
 
-        coefs = self._in_compute_dtypes(self.clipping.coefficients(sq_norms, scale), bad)
+        coefs = self._in_compute_dtypes(self.clipping.coefficients(sq_norms, scale, total_sq), bad)
 
         for rec, names in own.items():
             sums = rec.rule.clipped_sums(rec, {n: coefs[rec.params[n]] for n in names})
@@ -201,12 +204,13 @@ class GradSampleEngine:
             )
         return sizes.pop()
 
-    def _nonfinite_samples(self, sq_norms) -> Optional[torch.Tensor]:
-        if not sq_norms:
+    def _nonfinite_samples(self, sq_norms, per_sample: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Boolean (B,) mask of the samples with a NaN/Inf squared norm (``per_sample``: their
+        sum over parameters), or None if there are none; raises under nonfinite="raise"."""
+        if per_sample is None:
             return None
         # Squared norms are >= 0 or NaN, so their sum is finite exactly when all are:
         # one reduction on the device and a single host sync per backward pass.
-        per_sample = torch.stack(list(sq_norms.values())).sum(0)
         if math.isfinite(per_sample.sum().item()):
             return None
         finite = torch.isfinite(per_sample).cpu()

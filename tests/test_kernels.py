@@ -325,7 +325,8 @@ def test_cuda_dispatch_and_forced_backends(monkeypatch):
     monkeypatch.delenv("FASTDP_BACKEND", raising=False)
     chosen = {op: ops.implementation(op, torch.device("cuda"))[0] for op in ops._REFERENCE}
     assert chosen == {"linear_sq_norms_ghost": "reference", "linear_sq_norms_direct": "reference",
-                      "embedding_sq_norms": "triton", "noisy_average": "native"}
+                      "embedding_sq_norms": "triton", "noisy_average": "native",
+                      "conv_sq_norms": "reference", "group_norm_backward": "reference"}
     monkeypatch.setenv("FASTDP_BACKEND", "native")
     assert ops.implementation("noisy_average", torch.device("cuda"))[0] == "native"
     monkeypatch.setenv("FASTDP_BACKEND", "triton")

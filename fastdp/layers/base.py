@@ -16,7 +16,6 @@ Gradients here are those of the loss as the user reduced it; the engine rescales
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import torch
@@ -32,18 +31,18 @@ class UnsupportedModuleError(ValueError):
     """A module (or its configuration) whose per-sample gradients fastdp cannot clip exactly."""
 
 
-@dataclass(eq=False)  # records are told apart by identity
 class Record:
-    """One call of a hooked module, seen in one backward pass."""
+    """One call of a hooked module, seen in one backward pass (told apart by identity)."""
 
-    module: nn.Module
-    rule: "LayerRule"
-    params: Dict[str, torch.Tensor]  # the trainable parameters this call used, by name
-    activation: Any
-    grad_output: Optional[torch.Tensor]
-    batch_size: int = 0
-    cache: Dict[str, torch.Tensor] = field(default_factory=dict)  # per-sample grads (B, *shape)
-    norms: Dict[str, torch.Tensor] = field(default_factory=dict)  # squared norms found early
+    __slots__ = ("module", "rule", "params", "activation", "grad_output", "batch_size", "cache", "norms")
+
+    def __init__(self, module: nn.Module, rule: "LayerRule", params: Dict[str, torch.Tensor],
+                 activation: Any, grad_output: Optional[torch.Tensor], batch_size: int = 0):
+        self.module, self.rule = module, rule
+        self.params = params  # the trainable parameters this call used, by name
+        self.activation, self.grad_output, self.batch_size = activation, grad_output, batch_size
+        self.cache: Dict[str, torch.Tensor] = {}  # per-sample grads (B, *shape)
+        self.norms: Dict[str, torch.Tensor] = {}  # squared norms found early
 
     @property
     def names(self) -> Tuple[str, ...]:
@@ -88,9 +87,12 @@ class Tap:
                          grad_output.shape[0]))
 
 
+_WIDE = (torch.float32, torch.float64)
+
+
 def _widen(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
-        return x.to(compute_dtype(x.dtype))
+        return x if x.dtype in _WIDE else x.to(compute_dtype(x.dtype))
     if isinstance(x, tuple):
         return tuple(_widen(v) for v in x)
     return x
@@ -106,11 +108,12 @@ class LayerRule:
         """Raise :class:`UnsupportedModuleError` for configurations the rule cannot handle."""
 
     def trainable(self, module: nn.Module) -> Tuple[str, ...]:
-        return tuple(
-            n
-            for n in self.param_names
-            if isinstance(getattr(module, n, None), torch.Tensor) and getattr(module, n).requires_grad
-        )
+        names = ()
+        for n in self.param_names:
+            t = getattr(module, n, None)
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                names += (n,)
+        return names
 
     def forward(self, module: nn.Module, tap: Tap, *args, **kwargs) -> torch.Tensor:
         raise NotImplementedError
