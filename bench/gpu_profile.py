@@ -2,6 +2,7 @@
 variants against the batched-Gram route, and where a fastdp step's time goes.
 
     python3 bench/gpu_profile.py ghost            # variants table (ms, rel. error, extra MiB)
+    python3 bench/gpu_profile.py noise            # Triton noise launch shapes vs copy and CUDA C++
     python3 bench/gpu_profile.py step mlp ...     # per-step ms, host syncs, top CPU ops
 
 Times are medians of CUDA-event timings (``triton.testing.do_bench``).
@@ -50,6 +51,24 @@ def ghost_table() -> None:
                       f"{ms:8.3f} {ref_ms:8.3f} {ref_ms / ms:6.2f} {err:9.1e}", flush=True)
 
 
+def noise_table() -> None:
+    """Triton noise kernel's launch shape (groups per program, warps) against a device copy and
+    the CUDA C++ kernel, in place on one tensor."""
+    from fastdp import _cuda_ops
+    from kernels.noise import noisy_average_triton
+    print(f"{'numel':>10s} {'groups/prog':>11s} {'warps':>5s} {'ms':>8s} {'copy ms':>8s} {'cuda ms':>8s}")
+    for numel in (1 << 20, 1 << 23, 1 << 26):
+        s = torch.randn(numel, device="cuda")
+        copy_ms = do_bench(lambda: s.clone(), return_mode="median")
+        cuda_ms = do_bench(lambda: _cuda_ops.noisy_average([s], 1.0, 2.0, 7, inplace=True), return_mode="median")
+        for per_prog in (1, 2, 4):
+            for warps in (1, 2, 4, 8):
+                fn = lambda: noisy_average_triton([s], 1.0, 2.0, 7, inplace=True,  # noqa: E731
+                                                  groups_per_prog=per_prog, num_warps=warps)
+                print(f"{numel:10d} {per_prog:11d} {warps:5d} {do_bench(fn, return_mode='median'):8.3f} "
+                      f"{copy_ms:8.3f} {cuda_ms:8.3f}", flush=True)
+
+
 def profile_step(config: str) -> None:
     torch.manual_seed(0)
     model, x, y, per_sample = bench.CONFIGS[config][0](False)
@@ -85,6 +104,8 @@ if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else "ghost"
     if what == "ghost":
         ghost_table()
+    elif what == "noise":
+        noise_table()
     else:
         for config in sys.argv[2:] or ["mlp"]:
             profile_step(config)

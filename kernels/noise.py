@@ -180,9 +180,10 @@ def _store_noisy(src, dst, offs, n, z, std, divisor):
 
 def noisy_average_triton(
     sums: Sequence[torch.Tensor], std: float, divisor: float, seed: int, inplace: bool = False,
-    groups_per_prog: int = 4,
+    groups_per_prog: int = 4, num_warps: int = 4,
 ) -> List[torch.Tensor]:
-    """Multi-tensor fused noise: one launch per dtype for all tensors of ``sums``."""
+    """Multi-tensor fused noise: one launch per dtype for all tensors of ``sums``; each program
+    draws ``groups_per_prog`` groups (4 * GROUP elements each) with ``num_warps`` warps."""
     srcs = [s.contiguous() for s in sums]
     outs = srcs if inplace else [torch.empty_like(s) for s in srcs]
     by_dtype = {}
@@ -206,6 +207,6 @@ def noisy_average_triton(
         _noisy_average_kernel[(programs.shape[1],)](
             srcs[members[0]], tensors[0], tensors[1], tensors[2], tensors[3], programs[0], programs[1],
             seed & _MASK32, (seed >> 32) & _MASK32, float(std), float(divisor),
-            GROUP=GROUP, GROUPS_PER_PROG=groups_per_prog,
+            GROUP=GROUP, GROUPS_PER_PROG=groups_per_prog, num_warps=num_warps,
         )
     return outs
