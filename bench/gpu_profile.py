@@ -3,6 +3,7 @@ variants against the batched-Gram route, and where a fastdp step's time goes.
 
     python3 bench/gpu_profile.py ghost            # variants table (ms, rel. error, extra MiB)
     python3 bench/gpu_profile.py noise            # Triton noise launch shapes vs copy and CUDA C++
+    python3 bench/gpu_profile.py ghost-engine ... # engine step with the Triton ghost norm off / on
     python3 bench/gpu_profile.py step mlp ...     # per-step ms, host syncs, top CPU ops
 
 Times are medians of CUDA-event timings (``triton.testing.do_bench``).
@@ -69,6 +70,37 @@ def noise_table() -> None:
                       f"{copy_ms:8.3f} {cuda_ms:8.3f}", flush=True)
 
 
+def ghost_in_engine(configs) -> None:
+    """In-process A/B of the default fastdp step with the Triton ghost norm out of (A) and in
+    (B) the default dispatch, alternating rounds; ratios to the non-private step."""
+    import copy
+
+    ops._load_backends()
+    triton_ghost = ("linear_sq_norms_ghost", "triton", "cuda")
+    print(f"{'config':16s} {'nonprivate ms':>13s} {'default':>8s} {'+triton ghost':>13s}")
+    for config in configs:
+        torch.manual_seed(0)
+        model, x, y, per_sample = bench.CONFIGS[config][0](False)
+        model, x, y = model.cuda(), x.cuda(), y.cuda()
+        crit = bench.SampleLoss(per_sample)
+        plain_model = copy.deepcopy(model)
+        plain = bench._plain_step(plain_model, x, y, crit, torch.optim.SGD(plain_model.parameters(), lr=1e-3))
+        private = bench._fastdp_step(model, x, y, crit, torch.optim.SGD(model.parameters(), lr=1e-3))
+        times = {"nonprivate": [], "default": [], "triton": []}
+        for _ in range(4):
+            for arm in times:
+                if arm == "triton":
+                    ops._FORCED_ONLY.discard(triton_ghost)
+                else:
+                    ops._FORCED_ONLY.add(triton_ghost)
+                fn = plain if arm == "nonprivate" else private
+                times[arm].append(do_bench(fn, warmup=20, rep=150, return_mode="median"))
+        ops._FORCED_ONLY.add(triton_ghost)
+        med = {arm: sorted(t)[len(t) // 2] for arm, t in times.items()}
+        print(f"{config:16s} {med['nonprivate']:13.3f} {med['default'] / med['nonprivate']:8.2f} "
+              f"{med['triton'] / med['nonprivate']:13.2f}", flush=True)
+
+
 def profile_step(config: str) -> None:
     torch.manual_seed(0)
     model, x, y, per_sample = bench.CONFIGS[config][0](False)
@@ -106,6 +138,8 @@ if __name__ == "__main__":
         ghost_table()
     elif what == "noise":
         noise_table()
+    elif what == "ghost-engine":
+        ghost_in_engine(sys.argv[2:] or ["transformer", "wide-linear", "mnist-cnn-b256", "cifar-cnn-gn"])
     else:
         for config in sys.argv[2:] or ["mlp"]:
             profile_step(config)

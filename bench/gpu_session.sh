@@ -2,7 +2,7 @@
 # One lease of a GPU machine (python3 with a CUDA build of torch and Triton, nvcc):
 # build the extensions in place, run the GPU tests, time the kernels and the engine.
 # Logs go to $OUT (the lender's output folder) or /tmp/fastdp-gpu.
-#   bash bench/gpu_session.sh [tests|kernels|engine|ghost|noise|profile ...]   (default: the first three)
+#   bash bench/gpu_session.sh [tests|kernels|engine|ghost|ghost-engine|noise|profile ...]   (default: the first three)
 # CONFIGS=a,b, METHODS=m,n and MIN_TIME=s narrow the engine benchmark.
 set -uo pipefail
 OUT=${OUT:-/tmp/fastdp-gpu}
@@ -25,6 +25,7 @@ for step in $steps; do
               --markdown "$OUT/bench.md" --json "$OUT/bench.json" 2>&1 | tee "$OUT/engine.log" | tail -70 ;;
     ghost) python3 bench/gpu_profile.py ghost 2>&1 | tee "$OUT/ghost.txt" ;;
     noise) python3 bench/gpu_profile.py noise 2>&1 | tee "$OUT/noise.txt" ;;
+    ghost-engine) python3 bench/gpu_profile.py ghost-engine 2>&1 | tee "$OUT/ghost_engine.txt" ;;
     profile) python3 bench/gpu_profile.py step mlp cifar-cnn-gn transformer 2>&1 | tee "$OUT/profile.txt" | grep "^==" ;;
     *) echo "unknown step $step"; exit 2 ;;
   esac
