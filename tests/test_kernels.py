@@ -318,13 +318,39 @@ def test_gpu_noise_kernels_match_stream_at_scale(tri):
             torch.testing.assert_close(o.cpu(), w, rtol=2e-6, atol=2e-6)
 
 
+def test_default_triton_ghost_takes_large_calls_only(monkeypatch):
+    """On CUDA the default Triton ghost norm sends calls below GHOST_TRITON_MIN_WORK
+    multiply-adds to the reference; FASTDP_BACKEND=triton sends every call to the kernel."""
+    pytest.importorskip("triton")
+    dispatch = importlib.import_module("kernels.dispatch")
+    seen = []
+
+    def kernel(a, g):
+        seen.append(a.shape)
+        return ops.linear_sq_norms_ghost_ref(a, g) + 1.0  # told apart from the reference
+
+    monkeypatch.setattr(dispatch, "linear_sq_norms_ghost_triton", kernel)
+    monkeypatch.delenv("FASTDP_BACKEND", raising=False)
+    a, g = torch.randn(3, 5, 4, dtype=torch.float64), torch.randn(3, 5, 2, dtype=torch.float64)
+    work = 3 * 5 * 5 * (4 + 2)
+    monkeypatch.setattr(dispatch, "GHOST_TRITON_MIN_WORK", work + 1)
+    assert torch.equal(dispatch.linear_sq_norms_ghost_large(a, g), ops.linear_sq_norms_ghost_ref(a, g))
+    assert seen == []
+    monkeypatch.setattr(dispatch, "GHOST_TRITON_MIN_WORK", work)
+    assert torch.equal(dispatch.linear_sq_norms_ghost_large(a, g), ops.linear_sq_norms_ghost_ref(a, g) + 1.0)
+    monkeypatch.setattr(dispatch, "GHOST_TRITON_MIN_WORK", work + 1)
+    monkeypatch.setenv("FASTDP_BACKEND", "triton")
+    dispatch.linear_sq_norms_ghost_large(a, g)
+    assert seen == [a.shape, a.shape]
+
+
 @gpu
 def test_cuda_dispatch_and_forced_backends(monkeypatch):
     if cuda_native() is None:
         pytest.skip("fastdp/_cuda_noise.so is not built (make cuda-lib)")
     monkeypatch.delenv("FASTDP_BACKEND", raising=False)
     chosen = {op: ops.implementation(op, torch.device("cuda"))[0] for op in ops._REFERENCE}
-    assert chosen == {"linear_sq_norms_ghost": "reference", "linear_sq_norms_direct": "reference",
+    assert chosen == {"linear_sq_norms_ghost": "triton", "linear_sq_norms_direct": "reference",
                       "embedding_sq_norms": "triton", "noisy_average": "native",
                       "conv_sq_norms": "reference", "group_norm_backward": "reference"}
     monkeypatch.setenv("FASTDP_BACKEND", "native")
