@@ -10,6 +10,7 @@ Times are medians of CUDA-event timings (``triton.testing.do_bench``).
 """
 from __future__ import annotations
 
+import copy
 import sys
 import warnings
 
@@ -75,8 +76,6 @@ def ghost_in_engine(configs) -> None:
     dispatch (every ghost call on the reference) and with it in, as registered (calls above
     ``kernels.dispatch.GHOST_TRITON_MIN_WORK``; every call if ``FASTDP_BACKEND=triton``),
     alternating rounds; ratios to the non-private step."""
-    import copy
-
     ops._load_backends()
     triton_ghost = ("linear_sq_norms_ghost", "triton", "cuda")
     registered_auto = triton_ghost not in ops._FORCED_ONLY
@@ -111,7 +110,7 @@ def profile_step(config: str) -> None:
     model, x, y = model.cuda(), x.cuda(), y.cuda()
     crit = bench.SampleLoss(per_sample)
     for method in ("nonprivate", "fastdp"):
-        m = __import__("copy").deepcopy(model)
+        m = copy.deepcopy(model)
         opt = torch.optim.SGD(m.parameters(), lr=1e-3)
         step = (bench._fastdp_step if method == "fastdp" else bench._plain_step)(m, x, y, crit, opt)
         for _ in range(5):

@@ -87,12 +87,10 @@ class Tap:
                          grad_output.shape[0]))
 
 
-_WIDE = (torch.float32, torch.float64)
-
-
 def _widen(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
-        return x if x.dtype in _WIDE else x.to(compute_dtype(x.dtype))
+        dtype = compute_dtype(x.dtype)
+        return x if x.dtype == dtype else x.to(dtype)
     if isinstance(x, tuple):
         return tuple(_widen(v) for v in x)
     return x
