@@ -433,16 +433,22 @@ void wide_patches(const F* phases, const Conv2dGeometry& c, int64_t channels, co
       }
 }
 
-// Writes a direct tile (entry (j, k) of g^T a at tile[((j / MR) * col_blocks + k / W) * MR + j % MR]
-// lane k % W, offsets from j0, k0) transposed into out[k * d + j]: contiguous runs along j.
+// Writes a direct tile (entry (j, k) of a^T g at tile[((j / MR) * col_blocks + k / W) * MR + j % MR]
+// lane k % W, offsets from j0, k0) into out[j * p + k], rows of p: whole vectors where they fit.
 template <typename F>
-void store_direct_tile(const F* tile, int64_t j0, int64_t j1, int64_t k0, int64_t k1, int64_t d, F* out) {
+void store_direct_tile(const Vec<F>* tile, int64_t j0, int64_t j1, int64_t k0, int64_t k1, int64_t p, F* out) {
   constexpr int W = kLanes<F>;
   const int64_t col_blocks = (k1 - k0 + W - 1) / W;
-  for (int64_t k = 0; k < k1 - k0; ++k) {
-    const F* src = tile + (k / W) * MR * W + k % W;
-    F* dst = out + (k0 + k) * d + j0;
-    for (int64_t j = 0; j < j1 - j0; ++j) dst[j] = src[((j / MR) * col_blocks * MR + j % MR) * W];
+  for (int64_t j = 0; j < j1 - j0; ++j) {
+    F* dst = out + (j0 + j) * p + k0;
+    for (int64_t c = 0; c < col_blocks; ++c) {
+      const Vec<F>& v = tile[((j / MR) * col_blocks + c) * MR + j % MR];
+      const int64_t width = std::min<int64_t>(W, k1 - k0 - c * W);
+      if (width == W)
+        store(dst + c * W, v);
+      else
+        for (int64_t k = 0; k < width; ++k) dst[c * W + k] = v[k];
+    }
   }
 }
 
@@ -501,8 +507,7 @@ void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& c, bool ghost
           for (int64_t k0 = 0; k0 < p; k0 += TB) {
             const int64_t j1 = std::min(d, j0 + TB), k1 = std::min(p, k0 + TB);
             total += direct_tile_isa(gwi, p_pad, 1, cols.get(), 1, wide.T, wide.T, j0, j1, k0, k1, pa.get(), ga.get());
-            if (grads) store_direct_tile(reinterpret_cast<const F*>(ga.get()), j0, j1, k0, k1, d,
-                                         grads + (i * c.out_channels + grp * p) * d);
+            if (grads) store_direct_tile(ga.get(), j0, j1, k0, k1, p, grads + (i * c.out_channels + grp * p) * d);
           }
       }
       partial[item] = total;

@@ -39,7 +39,8 @@ struct Conv2dGeometry {
 // the patches are unfolded into per-thread scratch (d x T, d = C / groups * kernel area,
 // T = OH * OW: never the whole batch's) and reduced with the ghost (Gram tiles) or the
 // direct (tiles of g_i^T a_i) route of the linear kernels. The direct route also writes each
-// sample's weight gradient, (B, C_out, C_in / groups, KH, KW), to `grads` unless it is null.
+// sample's weight gradient to `grads` unless it is null, each group's transposed: (B, groups,
+// C_in / groups * KH * KW, C_out / groups), so that the kernel's tiles are stored as whole vectors.
 template <typename F>
 void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& geometry, bool ghost, double* out, F* grads);
 

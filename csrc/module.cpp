@@ -12,6 +12,7 @@
 #include "group_norm.h"
 #include "linear_norms.h"
 #include "noise.h"
+#include "row_norms.h"
 
 namespace py = pybind11;
 
@@ -94,7 +95,8 @@ void conv2d_sq_norms_t(const py::array_t<F, py::array::c_style>& x, const py::ar
   F* grads_p = nullptr;
   if (grads) {
     if (ghost || grads->size() != c.batch * c.out_channels * (c.channels / c.groups) * c.kernel_h * c.kernel_w)
-      throw std::invalid_argument("grads: only the direct route writes them, (B, C_out, C_in / groups, KH, KW)");
+      throw std::invalid_argument("grads: only the direct route writes them, (B, groups, C_in / groups * KH * KW, "
+                                  "C_out / groups)");
     grads_p = grads->mutable_data();
   }
   const F* x_p = x.data();
@@ -125,6 +127,16 @@ void group_norm_backward_t(const py::array_t<F, py::array::c_style>& x, const py
   F *dgamma_p = dgamma.mutable_data(), *dbeta_p = dbeta.mutable_data();
   py::gil_scoped_release release;
   fastdp::group_norm_backward<F>(x_p, dy_p, mean_p, rstd_p, gamma_p, n, c, hw, groups, dx_p, dgamma_p, dbeta_p);
+}
+
+template <typename F>
+void rows_sq_norms_t(const py::array_t<F, py::array::c_style>& x, py::array_t<double, py::array::c_style>& out) {
+  if (x.ndim() != 2 || out.ndim() != 1 || out.shape(0) != x.shape(0))
+    throw std::invalid_argument("expected x (B, K) and out (B,)");
+  const F* x_p = x.data();
+  double* out_p = out.mutable_data();
+  py::gil_scoped_release release;
+  fastdp::rows_sq_norms<F>(x_p, x.shape(0), x.shape(1), out_p);
 }
 
 // Binds the float32 and float64 instantiations of one kernel under one name (pybind11
@@ -160,9 +172,13 @@ PYBIND11_MODULE(_C, m) {
       m, "conv2d_sq_norms", &conv2d_sq_norms_t<float>, &conv2d_sq_norms_t<double>,
       "out[i] = squared norm of sample i's 2-D convolution weight gradient (x (B,C,H,W), g (B,C_out,OH,OW) "
       "C-contiguous; geometry (groups, kh, kw, sh, sw, ph, pw, dh, dw)), by the ghost or the direct route; "
-      "the direct route also writes the per-sample weight gradients to grads (B, C_out, C_in/groups, kh, kw) if given.",
+      "the direct route also writes the per-sample weight gradients to grads if given, each group's transposed: "
+      "(B, groups, C_in/groups * kh * kw, C_out/groups).",
       py::arg("x").noconvert(), py::arg("g").noconvert(), py::arg("geometry"), py::arg("ghost"),
       py::arg("out").noconvert(), py::arg("grads").noconvert() = py::none());
+  def_per_dtype(m, "rows_sq_norms", &rows_sq_norms_t<float>, &rows_sq_norms_t<double>,
+                "out[i] = sum_k x[i, k]^2 accumulated in float64 (x (B, K) C-contiguous, out (B,) float64).",
+                py::arg("x").noconvert(), py::arg("out").noconvert());
   def_per_dtype(m, "group_norm_backward", &group_norm_backward_t<float>, &group_norm_backward_t<double>,
                 "GroupNorm backward (x, dy (N,C,HW); mean, rstd (N,G); gamma (C) or None): writes dx (or skips it "
                 "if None) and each sample's parameter gradients dgamma, dbeta (N,C).",

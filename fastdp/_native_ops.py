@@ -6,6 +6,7 @@ NumPy views of contiguous CPU tensors; other dtypes go through float32.
 """
 from __future__ import annotations
 
+import math
 from typing import List, Sequence
 
 import torch
@@ -29,6 +30,15 @@ def noisy_average(sums: Sequence[torch.Tensor], std: float, divisor: float, seed
     _C.noisy_average([s.numpy() for s in srcs], [o.numpy() for o in outs], float(std), float(divisor),
                      seed & (2**64 - 1))
     return ops.in_input_dtypes(outs, sums)
+
+
+@ops.register("sample_sq_norms", "native", "cpu")
+def sample_sq_norms(x: torch.Tensor) -> torch.Tensor:
+    """One pass over the rows of ``x`` viewed as (B, -1), each summed in float64."""
+    x = ops.kernel_operand(x).flatten(1)
+    out = torch.empty(x.shape[0], dtype=torch.float64)
+    _C.rows_sq_norms(x.numpy(), out.numpy())
+    return out
 
 
 @ops.register("embedding_sq_norms", "native", "cpu")
@@ -99,10 +109,14 @@ def conv_sq_norms(x: torch.Tensor, g: torch.Tensor, spec, ghost: bool, keep_grad
         x4, g4 = x4.unsqueeze(2), g4.unsqueeze(2)
     out = torch.empty(x.shape[0], dtype=torch.float64)
     grads = None
-    if keep_grads and not ghost:
-        grads = torch.empty(x.shape[0], g.shape[1], x.shape[1] // spec.groups, *spec.kernel, dtype=dtype)
+    if keep_grads and not ghost:  # written per group transposed, (B, groups, d, p): see conv2d_sq_norms
+        cin = x.shape[1] // spec.groups
+        grads = torch.empty(x.shape[0], spec.groups, cin * math.prod(spec.kernel), g.shape[1] // spec.groups,
+                            dtype=dtype)
     _C.conv2d_sq_norms(x4.numpy(), g4.numpy(), [spec.groups, *kernel, *stride, *padding, *dilation], ghost,
                        out.numpy(), None if grads is None else grads.numpy())
+    if grads is not None:  # (B, C_out, C_in / groups, *kernel): a strided view for one group, else a copy
+        grads = grads.transpose(2, 3).reshape(x.shape[0], g.shape[1], cin, *spec.kernel)
     return out, grads
 
 

@@ -32,6 +32,7 @@ import torch
 BACKENDS = ("reference", "native", "triton")
 _REGISTRY: Dict[str, Dict[Tuple[str, str], Callable]] = {}
 _FORCED_ONLY: set = set()  # (op, backend, device_type) used only when FASTDP_BACKEND names it
+_CHOICES: Dict[tuple, Tuple[str, Callable]] = {}  # (op, device type, FASTDP_BACKEND) -> implementation
 _AUTO_ORDER = {"cuda": ("triton", "native"), "cpu": ("native",)}
 _BACKEND_MODULES = {"native": ("fastdp._native_ops", "fastdp._cuda_ops"), "triton": ("kernels.dispatch",)}
 
@@ -47,6 +48,7 @@ def register(op: str, backend: str, device_type: str, auto: bool = True):
 
     def decorate(fn: Callable) -> Callable:
         _REGISTRY.setdefault(op, {})[(backend, device_type)] = fn
+        _CHOICES.clear()
         if auto:
             _FORCED_ONLY.discard((op, backend, device_type))
         else:
@@ -91,15 +93,24 @@ def _load_backends() -> None:
 
 
 def implementation(op: str, device: torch.device) -> Tuple[str, Callable]:
-    """Return ``(backend name, function)`` that will run ``op`` on ``device``."""
+    """Return ``(backend name, function)`` that will run ``op`` on ``device`` (remembered per
+    op, device type and ``FASTDP_BACKEND`` value until the next :func:`register`)."""
+    key = (op, device.type, os.environ.get("FASTDP_BACKEND"))
+    choice = _CHOICES.get(key)
+    if choice is None:
+        choice = _CHOICES[key] = _choose(op, device.type)
+    return choice
+
+
+def _choose(op: str, device_type: str) -> Tuple[str, Callable]:
     forced = selected_backend()
     if forced != "reference":
         _load_backends()
         impls = _REGISTRY.get(op, {})
-        order = (forced,) if forced != "auto" else _AUTO_ORDER.get(device.type, ())
+        order = (forced,) if forced != "auto" else _AUTO_ORDER.get(device_type, ())
         for backend in order:
-            fn = impls.get((backend, device.type))
-            if fn is not None and (forced != "auto" or (op, backend, device.type) not in _FORCED_ONLY):
+            fn = impls.get((backend, device_type))
+            if fn is not None and (forced != "auto" or (op, backend, device_type) not in _FORCED_ONLY):
                 return backend, fn
     return "reference", _REFERENCE[op]
 
@@ -149,6 +160,11 @@ def in_input_dtypes(outs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
 def sum_to_float64(x: torch.Tensor, dims) -> torch.Tensor:
     """``x.sum(dims)`` accumulated in x's dtype (cascaded on CPU), returned as float64."""
     return x.sum(dims).double()
+
+
+def sample_sq_norms_ref(x: torch.Tensor) -> torch.Tensor:
+    """Squared L2 norm of each sample's slice of ``x`` (B, ...), float64 (B,)."""
+    return sum_to_float64(x.flatten(1).square(), 1)
 
 
 def linear_sq_norms_ghost_ref(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -246,6 +262,7 @@ def group_norm_backward_ref(g: torch.Tensor, x: torch.Tensor, mean: torch.Tensor
 _REFERENCE: Dict[str, Callable] = {
     "group_norm_backward": group_norm_backward_ref,
     "conv_sq_norms": conv_sq_norms_ref,
+    "sample_sq_norms": sample_sq_norms_ref,
     "linear_sq_norms_ghost": linear_sq_norms_ghost_ref,
     "linear_sq_norms_direct": linear_sq_norms_direct_ref,
     "embedding_sq_norms": embedding_sq_norms_ref,
@@ -254,6 +271,10 @@ _REFERENCE: Dict[str, Callable] = {
 
 
 # --------------------------------------------------------------------------- public ops
+
+
+def sample_sq_norms(x: torch.Tensor) -> torch.Tensor:
+    return _call("sample_sq_norms", x.device, x)
 
 
 def linear_sq_norms_ghost(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

@@ -277,6 +277,7 @@ def test_forced_missing_backend_warns_once(monkeypatch):
     monkeypatch.setattr(ops, "_backends_loaded", False)
     monkeypatch.setattr(ops, "_BACKEND_MODULES", {"native": ("fastdp._no_such_ext",), "triton": ("kernels._nope",)})
     monkeypatch.setattr(ops, "_REGISTRY", {})
+    monkeypatch.setattr(ops, "_CHOICES", {})
     a, g = torch.randn(2, 3, 4), torch.randn(2, 3, 5)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -148,3 +148,25 @@ def test_conv_autotune_remembers_per_geometry_and_stays_exact(monkeypatch):
     for other in ("ghost", "direct") + (("instantiate",) if fused else ()):  # each route in turn, same answer
         monkeypatch.setattr(conv, "_FASTEST_ROUTE", {k: other for k in conv._FASTEST_ROUTE})
         check_exact(model, [torch.randn(3, 3, 9, 9)])
+
+
+def test_conv_direct_keep_route_is_timed_and_exact(monkeypatch):
+    """Where the kept per-sample gradients would hold 1-4x the elements of x and g, the fused
+    direct route that keeps them (transposed, read in place by the weighted sum) is timed
+    with the others; forced, it gives the exact clipped sums too."""
+    import fastdp.layers.conv as conv
+
+    if ops.implementation("conv_sq_norms", torch.device("cpu"))[0] == "reference":
+        pytest.skip("no fused convolution kernel built")
+    monkeypatch.setattr(conv, "_FASTEST_ROUTE", {})
+    monkeypatch.setattr(conv, "AUTOTUNE_WITHIN", float("inf"))
+    timed = []
+    original = conv._time_routes
+    monkeypatch.setattr(conv, "_time_routes", lambda key, routes, *rest: timed.append(set(routes)) or
+                        original(key, routes, *rest))
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten())  # 4x4 input: |W| = 216, x + g = 48 + 32
+    check_exact(model, [torch.randn(3, 3, 4, 4)])
+    assert timed == [{"ghost", "direct", "instantiate", "direct-keep"}]
+    monkeypatch.setattr(conv, "_FASTEST_ROUTE", {k: "direct-keep" for k in conv._FASTEST_ROUTE})
+    check_exact(model, [torch.randn(4, 3, 4, 4)])

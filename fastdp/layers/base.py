@@ -21,7 +21,8 @@ from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 import torch
 from torch import nn
 
-from fastdp.ops import compute_dtype, sum_to_float64
+from fastdp import ops
+from fastdp.ops import compute_dtype
 
 # Per-sample tensors larger than this many elements are processed in batch chunks.
 CHUNK_ELEMENTS = 1 << 24
@@ -143,7 +144,7 @@ class LayerRule:
 
 def sq_norms_of(per_sample: torch.Tensor) -> torch.Tensor:
     """Squared L2 norm of each sample's slice of ``per_sample`` (B, ...), as float64 (B,)."""
-    return sum_to_float64(per_sample.flatten(1).square(), 1)
+    return ops.sample_sq_norms(per_sample)
 
 
 def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -153,9 +154,15 @@ def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def weighted_sum(coef: torch.Tensor, per_sample: torch.Tensor) -> torch.Tensor:
     """``sum_i coef_i * per_sample[i]`` for ``coef`` (B,) and ``per_sample`` (B, ...): one
-    vector-matrix product."""
-    flat = per_sample.reshape(per_sample.shape[0], -1)
-    return (as_dtype(coef, flat.dtype) @ flat).view(per_sample.shape[1:])
+    vector-matrix product over the sample dims in memory order, so a permuted layout (a
+    kernel's transposed per-sample gradients) is read in place, not copied."""
+    coef = as_dtype(coef, per_sample.dtype)
+    if per_sample.is_contiguous():
+        return (coef @ per_sample.view(per_sample.shape[0], -1)).view(per_sample.shape[1:])
+    order = sorted(range(1, per_sample.dim()), key=lambda k: -per_sample.stride(k))
+    ordered = per_sample.permute(0, *order)
+    total = (coef @ ordered.reshape(per_sample.shape[0], -1)).view(ordered.shape[1:])
+    return total.permute(*sorted(range(len(order)), key=order.__getitem__)).contiguous()
 
 
 def batch_chunks(batch: int, per_sample_elements: int) -> Iterable[slice]:

@@ -17,7 +17,8 @@ summed; never as one dense matrix. Two routes, chosen per call by flops as for L
 Where a backend has a fused kernel for the call (``ops.conv_sq_norms``: C++ on CPU for 1-D
 and 2-D convolutions), either route runs in it instead, one sample's patches at a time. The
 clipped sum is then one weight-gradient convolution on coefficient-scaled ``x`` or ``g``,
-except where the direct route kept per-sample gradients no larger than ``x`` and ``g``.
+except where the direct route kept the per-sample gradients (where they are small, or
+where timing found keeping them faster).
 """
 from __future__ import annotations
 
@@ -40,9 +41,12 @@ _CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
 # Routes for a convolution's weight norms: "ghost" and "direct" run in the fused kernel
 # (ops.conv_sq_norms) where a backend has one and in composed PyTorch ops otherwise; beside
-# a fused kernel, "instantiate" is the composed direct route. Composed direct keeps its
-# per-sample gradients for the clipped sum (as fused direct does where they are small);
-# the other routes pay one more weight-gradient convolution.
+# a fused kernel, "instantiate" is the composed direct route and "direct-keep" the fused
+# direct route keeping its per-sample gradients. Composed direct keeps them for the clipped
+# sum (a weighted sum), as fused direct does where they are no larger than x and g; the
+# other routes pay one more weight-gradient convolution. "direct-keep" is offered (to the
+# timing below) where the kept gradients hold at most KEEP_LIMIT times the elements of x
+# and g, which the kept route frees early.
 #
 # The cost model is only a rough guide (grouped convolutions with many channels and few
 # positions run far below peak, the fused kernel's speed depends on the geometry). Where
@@ -52,13 +56,16 @@ _CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 # a new key, so no decision goes stale. AUTOTUNE=False always follows the cost model.
 AUTOTUNE = True
 AUTOTUNE_WITHIN = 4.0  # both flop routes are plausible where their estimates are this close
+KEEP_LIMIT = 4.0
 _FASTEST_ROUTE: Dict[tuple, str] = {}
 
 
 def _time_routes(key, routes: Dict[str, Callable[[], torch.Tensor]], weight_sum: Callable[[], object],
                  rec: Record) -> torch.Tensor:
-    """Run each route twice (the first run pays one-off allocations) and keep the fastest,
-    adding the time of ``weight_sum`` to routes that leave no per-sample gradients behind."""
+    """Run each route three times (the first run pays one-off allocations, the best of the
+    others resists a busy machine) and keep the fastest, counting the clipped sum each leaves
+    to do: ``weight_sum`` (a weight-gradient convolution) after routes that keep no per-sample
+    gradients, a weighted sum of the kept ones after the others."""
     def timed(fn):
         _wait_for_device(rec)
         start = time.perf_counter()
@@ -68,11 +75,16 @@ def _time_routes(key, routes: Dict[str, Callable[[], torch.Tensor]], weight_sum:
 
     sum_time = min(timed(weight_sum)[1] for _ in range(2))
     best, results = {}, {}
-    for name, route in list(routes.items()) * 2:
+    for name, route in list(routes.items()) * 3:
         rec.cache.pop("weight", None)
         out, elapsed = timed(route)
         kept = rec.cache.get("weight")
-        best[name] = min(best.get(name, math.inf), elapsed + (sum_time if kept is None else 0.0))
+        if kept is None:
+            elapsed += sum_time
+        else:
+            ones = kept.new_ones(kept.shape[0])
+            elapsed += min(timed(lambda: weighted_sum(ones, kept))[1] for _ in range(2))
+        best[name] = min(best.get(name, math.inf), elapsed)
         results[name] = (out, kept)
     name = min(best, key=best.get)
     _FASTEST_ROUTE[key] = name
@@ -232,11 +244,11 @@ class ConvRule(LayerRule):
 
         instantiate = lambda: self._direct_sq_norms(rec, x, g, spec, weight.shape)  # noqa: E731
 
-        def fused_or_composed(ghost: bool) -> torch.Tensor:
-            # per-sample gradients no larger than x and g: keep them (x and g are freed early
-            # and the clipped sum is a weighted sum instead of a convolution)
-            keep = not ghost and x.shape[0] * weight.numel() <= x.numel() + g.numel()
-            fused = ops.conv_sq_norms(x, g, spec, ghost, keep_grads=keep)
+        # kept per-sample gradients against x and g (freed early when kept), in elements
+        kept_ratio = x.shape[0] * weight.numel() / max(1, x.numel() + g.numel())
+
+        def fused_or_composed(ghost: bool, keep: bool = kept_ratio <= 1) -> torch.Tensor:
+            fused = ops.conv_sq_norms(x, g, spec, ghost, keep_grads=keep and not ghost)
             if fused is None:
                 return self._ghost_sq_norms(x, g, spec, d, p, seq) if ghost else instantiate()
             norms, grads = fused
@@ -248,6 +260,8 @@ class ConvRule(LayerRule):
         backend = ops.implementation("conv_sq_norms", x.device)[0]
         if backend != "reference":  # without a fused kernel "direct" already is "instantiate"
             routes["instantiate"] = instantiate
+            if 1 < kept_ratio <= KEEP_LIMIT:
+                routes["direct-keep"] = lambda: fused_or_composed(False, keep=True)
         ghost_cost, direct_cost = route_costs(seq, d, p)
         if not AUTOTUNE:
             return routes["ghost" if ghost_cost < direct_cost else "direct"]()

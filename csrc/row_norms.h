@@ -1,0 +1,14 @@
+// Squared L2 norm of every row of a matrix, accumulated in float64 (CPU).
+#pragma once
+#include <cstdint>
+
+namespace fastdp {
+
+// x: (rows, cols) C-contiguous; out[i] = sum_k x[i, k]^2 in float64 (each product formed
+// in float64, so float32 inputs lose nothing to the accumulation). Long rows are split
+// into chunks whose partial sums are added in a fixed order: the result does not depend
+// on the number of threads.
+template <typename F>
+void rows_sq_norms(const F* x, int64_t rows, int64_t cols, double* out);
+
+}  // namespace fastdp

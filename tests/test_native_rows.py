@@ -1,0 +1,67 @@
+"""Native (C++) per-sample squared norms of a (B, ...) tensor, and the weighted sum that
+reads kernel-written (permuted) per-sample gradients in place."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fastdp import ops
+from fastdp.layers.base import weighted_sum
+
+native = pytest.importorskip("fastdp._native_ops", reason="native extension not built")
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=st.integers(0, 9), shape=st.lists(st.integers(1, 40), min_size=1, max_size=3),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]),
+       transposed=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_sample_sq_norms_match_float64_sums(batch, shape, dtype, transposed, seed):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, *shape, generator=gen, dtype=torch.float64).to(dtype)
+    if transposed:  # a non-contiguous layout is copied first
+        x = x.transpose(0, -1).contiguous().transpose(0, -1)
+    out = native.sample_sq_norms(x)
+    exact = x.double().flatten(1).square().sum(1)
+    assert out.dtype == torch.float64 and out.shape == (batch,)
+    # each product is formed and summed in float64: float32 inputs lose only the last bits
+    torch.testing.assert_close(out, exact, rtol=1e-12, atol=0)
+
+
+def test_sample_sq_norms_long_rows_split_into_chunks():
+    """Rows longer than one work item (64K elements) are summed from partial sums in a fixed
+    order: same result with one thread and with two."""
+    x = torch.randn(3, 200_003, dtype=torch.float64)
+    exact = x.square().sum(1)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.sample_sq_norms(x)
+        torch.set_num_threads(2)
+        two = native.sample_sq_norms(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    torch.testing.assert_close(one, exact, rtol=1e-13, atol=0)
+
+
+def test_sample_sq_norms_is_the_cpu_default(use_backend):
+    use_backend(None)
+    assert ops.implementation("sample_sq_norms", torch.device("cpu")) == ("native", native.sample_sq_norms)
+    use_backend("reference")
+    assert ops.implementation("sample_sq_norms", torch.device("cpu"))[0] == "reference"
+
+
+@settings(max_examples=30, deadline=None)
+@given(batch=st.integers(1, 6), shape=st.lists(st.integers(1, 5), min_size=1, max_size=4), data=st.data())
+def test_weighted_sum_of_permuted_layouts(batch, shape, data):
+    """Per-sample tensors whose sample dims lie in memory in any order give the same sum as
+    their contiguous copy, and the result is contiguous."""
+    order = data.draw(st.permutations(range(1, len(shape) + 1)))
+    stored = torch.randn(batch, *[shape[k - 1] for k in order], dtype=torch.float64)
+    per_sample = stored.permute(0, *[order.index(k) + 1 for k in range(1, len(shape) + 1)])
+    assert per_sample.shape == (batch, *shape)
+    coef = torch.rand(batch, dtype=torch.float64)
+    out = weighted_sum(coef, per_sample)
+    want = (coef.view(-1, *[1] * len(shape)) * per_sample).sum(0)
+    assert out.is_contiguous() and out.shape == tuple(shape)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
