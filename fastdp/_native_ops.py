@@ -27,7 +27,8 @@ def noisy_average(sums: Sequence[torch.Tensor], std: float, divisor: float, seed
         return [s.div_(divisor) if inplace else s / divisor for s in sums]
     srcs = [ops.kernel_operand(s) for s in sums]
     outs = srcs if inplace else [torch.empty_like(s) for s in srcs]
-    _C.noisy_average([s.numpy() for s in srcs], [o.numpy() for o in outs], float(std), float(divisor),
+    src_arrays = [s.numpy() for s in srcs]
+    _C.noisy_average(src_arrays, src_arrays if inplace else [o.numpy() for o in outs], float(std), float(divisor),
                      seed & (2**64 - 1))
     return ops.in_input_dtypes(outs, sums)
 
@@ -35,7 +36,9 @@ def noisy_average(sums: Sequence[torch.Tensor], std: float, divisor: float, seed
 @ops.register("sample_sq_norms", "native", "cpu")
 def sample_sq_norms(x: torch.Tensor) -> torch.Tensor:
     """One pass over the rows of ``x`` viewed as (B, -1), each summed in float64."""
-    x = ops.kernel_operand(x).flatten(1)
+    x = ops.kernel_operand(x)
+    if x.dim() != 2:
+        x = x.flatten(1)
     out = torch.empty(x.shape[0], dtype=torch.float64)
     _C.rows_sq_norms(x.numpy(), out.numpy())
     return out
@@ -101,7 +104,7 @@ def conv_sq_norms(x: torch.Tensor, g: torch.Tensor, spec, ghost: bool, keep_grad
     kernel, stride, padding, dilation = spec.kernel, spec.stride, spec.padding, spec.dilation
     if nd == 1:  # a 1-D convolution as height 1
         kernel, stride, padding, dilation = [1, *kernel], [1, *stride], [0, *padding], [1, *dilation]
-    if x.shape[1] // spec.groups * kernel[0] * kernel[1] * g[0, 0].numel() > CONV_MAX_UNFOLDED:
+    if x.shape[1] // spec.groups * kernel[0] * kernel[1] * math.prod(g.shape[2:]) > CONV_MAX_UNFOLDED:
         return None
     dtype = ops.kernel_dtype(x, g)
     x4, g4 = (ops.kernel_operand(t, dtype) for t in (x, g))
@@ -116,7 +119,12 @@ def conv_sq_norms(x: torch.Tensor, g: torch.Tensor, spec, ghost: bool, keep_grad
     _C.conv2d_sq_norms(x4.numpy(), g4.numpy(), [spec.groups, *kernel, *stride, *padding, *dilation], ghost,
                        out.numpy(), None if grads is None else grads.numpy())
     if grads is not None:  # (B, C_out, C_in / groups, *kernel): a strided view for one group, else a copy
-        grads = grads.transpose(2, 3).reshape(x.shape[0], g.shape[1], cin, *spec.kernel)
+        shape = (x.shape[0], g.shape[1], cin, *spec.kernel)
+        if spec.groups == 1:  # element (i, o, c, *k) of (B, d, p) sits at i d p + (c K + k) p + o
+            tap_strides = [math.prod(spec.kernel[j + 1:]) * g.shape[1] for j in range(len(spec.kernel))]
+            grads = grads.as_strided(shape, (grads.stride(0), 1, math.prod(spec.kernel) * g.shape[1], *tap_strides))
+        else:
+            grads = grads.transpose(2, 3).reshape(shape)
     return out, grads
 
 

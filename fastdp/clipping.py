@@ -32,16 +32,18 @@ class FlatClipping:
         return self.max_grad_norm
 
     @staticmethod
-    def total_norms(sq_norms: Mapping[object, torch.Tensor], scale: float = 1.0,
-                    total_sq: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Per-sample norm of the whole (undivided) gradient, ``(B,)``."""
+    def _scaled_inverse_norms(sq_norms: Mapping[object, torch.Tensor], scale: float, offset: float,
+                              total_sq: Optional[torch.Tensor]) -> torch.Tensor:
+        """``scale / (|g_i| + offset)`` for the whole undivided gradient ``g_i`` (norm ``scale *
+        sqrt(total_sq)``), as ``1 / (sqrt(total_sq) + offset / scale)``: four tensor ops."""
         if total_sq is None:
             total_sq = torch.stack(list(sq_norms.values())).sum(0)
-        return total_sq.sqrt().mul_(scale)
+        return total_sq.sqrt().add_(offset / scale).reciprocal_()
 
     def coefficients(self, sq_norms: Mapping[object, torch.Tensor], scale: float = 1.0,
                      total_sq: Optional[torch.Tensor] = None) -> Dict[object, torch.Tensor]:
-        coef = (self.max_grad_norm / (self.total_norms(sq_norms, scale, total_sq) + EPS)).clamp_(max=1.0).mul_(scale)
+        # scale * min(1, C / (|g_i| + EPS))
+        coef = self._scaled_inverse_norms(sq_norms, scale, EPS, total_sq).mul_(self.max_grad_norm).clamp_(max=scale)
         return {p: coef for p in sq_norms}
 
 
@@ -53,7 +55,7 @@ class AutomaticClipping(FlatClipping):
         self.gamma = _positive(gamma, "gamma")
 
     def coefficients(self, sq_norms, scale: float = 1.0, total_sq: Optional[torch.Tensor] = None):
-        coef = (self.max_grad_norm / (self.total_norms(sq_norms, scale, total_sq) + self.gamma)).mul_(scale)
+        coef = self._scaled_inverse_norms(sq_norms, scale, self.gamma, total_sq).mul_(self.max_grad_norm)
         return {p: coef for p in sq_norms}
 
 

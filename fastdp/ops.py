@@ -129,7 +129,8 @@ def kernel_dtype(*tensors: torch.Tensor) -> torch.dtype:
     float32/float64, else float32."""
     dtype = tensors[0].dtype
     for t in tensors[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
+        if t.dtype != dtype:
+            dtype = torch.promote_types(dtype, t.dtype)
     return dtype if dtype in KERNEL_FLOATS else torch.float32
 
 

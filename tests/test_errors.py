@@ -101,11 +101,12 @@ def test_nan_gradient_raises_by_default():
         model(x).sum().backward()
 
 
-def test_nan_gradient_skip_drops_and_counts_the_sample():
+@pytest.mark.parametrize("shape", [(4, 3), (4, 5, 3)])  # one row per sample, or T = 5 rows each
+def test_nan_gradient_skip_drops_and_counts_the_sample(shape):
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
     opt = make(model, nonfinite="skip", noise_multiplier=0.0, expected_batch_size=1)
-    x = torch.randn(4, 3)
+    x = torch.randn(*shape)
     x[2, 0] = float("inf")
     model(x).sum().backward()
     opt.step()

@@ -57,12 +57,15 @@ class Record:
         self.activation = self.grad_output = None
 
     def zero_samples(self, mask: torch.Tensor) -> None:
-        """Zero every per-sample tensor of the samples in boolean ``mask`` (dropped samples)."""
+        """Zero every per-sample tensor of the samples in boolean ``mask`` (dropped samples);
+        a tensor of B * T rows (a rule's row matrix) has T rows per sample."""
         def zeroed(t):
             if not (isinstance(t, torch.Tensor) and torch.is_floating_point(t)):
                 return t
-            keep = (~mask).to(t.dtype).view(-1, *([1] * (t.dim() - 1)))
-            return torch.nan_to_num(t * keep, 0.0, 0.0, 0.0)
+            keep = (~mask).to(t.dtype)
+            if t.shape[0] != keep.shape[0]:
+                keep = keep.repeat_interleave(t.shape[0] // max(1, keep.shape[0]))
+            return torch.nan_to_num(t * keep.view(-1, *([1] * (t.dim() - 1))), 0.0, 0.0, 0.0)
 
         self.grad_output = zeroed(self.grad_output)
         if isinstance(self.activation, tuple):

@@ -71,11 +71,14 @@ def sq_norms_3d(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return torch.cat([op(a[c], g[c]) for c in batch_chunks(batch, per_sample)])
 
 
-def as_3d(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(x.shape[0], math.prod(x.shape[1:-1]), x.shape[-1])
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """(B, *, n) -> (B * T, n): one row per position, samples in order."""
+    return x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
 
 
 class LinearRule(LayerRule):
+    """Records hold ``a`` and ``g`` as row matrices (B*T, d) and (B*T, p); T = rows / B."""
+
     module_types = (nn.Linear,)
 
     def forward(self, module: nn.Linear, tap: Tap, x: torch.Tensor) -> torch.Tensor:
@@ -87,25 +90,32 @@ class LinearRule(LayerRule):
         return _LinearFn.apply(x, module.weight, module.bias, tap)
 
     def prepare(self, rec: Record) -> None:
-        rec.activation, rec.grad_output = as_3d(rec.activation), as_3d(rec.grad_output)
+        rec.activation, rec.grad_output = _rows(rec.activation), _rows(rec.grad_output)
+
+    @staticmethod
+    def _per_sample(rec: Record):
+        """``a`` (B, T, d) and ``g`` (B, T, p) as views of the record's rows."""
+        a, g, batch = rec.activation, rec.grad_output, rec.batch_size
+        seq = a.shape[0] // batch if batch else 1
+        return a.view(batch, seq, a.shape[1]), g.view(batch, seq, g.shape[1])
 
     def sq_norms(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
         a, g = rec.activation, rec.grad_output
         out = {}
-        if a.shape[1] == 1:  # one row per sample: the bias gradient is g_i, the weight's g_i a_i^T
+        if a.shape[0] == rec.batch_size:  # one row per sample: the bias gradient is g_i, the weight's g_i a_i^T
             g_sq = sq_norms_of(g)
             for name in names:
                 out[name] = sq_norms_of(a) * g_sq if name == "weight" else g_sq
             return out
         for name in names:
             if name == "weight":
-                out[name] = sq_norms_3d(a, g)
+                out[name] = sq_norms_3d(*self._per_sample(rec))
             else:  # the bias's per-sample gradients are small: sum over T once
                 out[name] = sq_norms_of(self.cached_grads(rec, [name])[name])
         return out
 
     def per_sample_grads(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
-        a, g = rec.activation, rec.grad_output
+        a, g = self._per_sample(rec)
         grads = {"weight": lambda: torch.bmm(g.transpose(1, 2), a.to(g.dtype)), "bias": lambda: g.sum(1)}
         return {name: grads[name]() for name in names}
 
@@ -113,18 +123,16 @@ class LinearRule(LayerRule):
         """The weight's sum is one GEMM over the B*T rows of ``a`` and ``g``, the narrower
         operand scaled by its sample's coefficient; the bias's one vector-matrix product."""
         a, g = rec.activation, rec.grad_output
-        dtype = torch.promote_types(a.dtype, g.dtype)
-        a2, g2 = (as_dtype(t.reshape(-1, t.shape[-1]), dtype) for t in (a, g))
+        dtype = a.dtype if a.dtype == g.dtype else torch.promote_types(a.dtype, g.dtype)
+        a, g = as_dtype(a, dtype), as_dtype(g, dtype)
+        seq = a.shape[0] // rec.batch_size
         out = {}
         if "weight" in coefs:
-            c = _per_row(coefs["weight"], a.shape[1], dtype).unsqueeze(1)
-            if a2.shape[1] <= g2.shape[1]:
-                out["weight"] = g2.t().mm(a2 * c)
-            else:
-                out["weight"] = (g2 * c).t().mm(a2)
+            c = _per_row(coefs["weight"], seq, dtype).unsqueeze(1)
+            out["weight"] = g.t().mm(a * c) if a.shape[1] <= g.shape[1] else (g * c).t().mm(a)
         if "bias" in coefs:  # T = 1: g is the per-sample bias gradient; else sum over T once
-            if a.shape[1] == 1:
-                out["bias"] = as_dtype(coefs["bias"], dtype) @ g2
+            if seq == 1:
+                out["bias"] = as_dtype(coefs["bias"], dtype) @ g
             else:
                 out["bias"] = weighted_sum(coefs["bias"], self.cached_grads(rec, ["bias"])["bias"])
         return out
