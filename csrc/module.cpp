@@ -8,6 +8,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "coefficients.h"
 #include "embedding_norms.h"
 #include "group_norm.h"
 #include "linear_norms.h"
@@ -129,6 +130,26 @@ void group_norm_backward_t(const py::array_t<F, py::array::c_style>& x, const py
   fastdp::group_norm_backward<F>(x_p, dy_p, mean_p, rstd_p, gamma_p, n, c, hw, groups, dx_p, dgamma_p, dbeta_p);
 }
 
+using Doubles = py::array_t<double, py::array::c_style>;
+
+bool total_sq_norms(const std::vector<Doubles>& parts, Doubles& total) {
+  if (total.ndim() != 1) throw std::invalid_argument("total must be (B,)");
+  std::vector<const double*> ptrs;
+  for (const Doubles& part : parts) {
+    if (part.ndim() != 1 || part.shape(0) != total.shape(0)) throw std::invalid_argument("parts must be (B,) like total");
+    ptrs.push_back(part.data());
+  }
+  double* out = total.mutable_data();
+  return fastdp::total_sq_norms(ptrs, total.shape(0), out);
+}
+
+void clip_factors(const Doubles& total, double bound, double scale, double offset, bool clamp, Doubles& out) {
+  if (total.ndim() != 1 || out.ndim() != 1 || out.shape(0) != total.shape(0))
+    throw std::invalid_argument("expected total (B,) and out (B,)");
+  if (!(scale > 0)) throw std::invalid_argument("scale must be > 0");
+  fastdp::clip_factors(total.data(), total.shape(0), bound, scale, offset, clamp, out.mutable_data());
+}
+
 template <typename F>
 void rows_sq_norms_t(const py::array_t<F, py::array::c_style>& x, py::array_t<double, py::array::c_style>& out) {
   if (x.ndim() != 2 || out.ndim() != 1 || out.shape(0) != x.shape(0))
@@ -176,6 +197,11 @@ PYBIND11_MODULE(_C, m) {
       "(B, groups, C_in/groups * kh * kw, C_out/groups).",
       py::arg("x").noconvert(), py::arg("g").noconvert(), py::arg("geometry"), py::arg("ghost"),
       py::arg("out").noconvert(), py::arg("grads").noconvert() = py::none());
+  m.def("total_sq_norms", &total_sq_norms, py::arg("parts").noconvert(), py::arg("total").noconvert(),
+        "total[i] = sum over k of parts[k][i] (float64 (B,) arrays, in order); returns whether all are finite.");
+  m.def("clip_factors", &clip_factors, py::arg("total").noconvert(), py::arg("bound"), py::arg("scale"),
+        py::arg("offset"), py::arg("clamp"), py::arg("out").noconvert(),
+        "out[i] = bound / (sqrt(total[i]) + offset / scale), capped at scale if clamp (float64 (B,) arrays).");
   def_per_dtype(m, "rows_sq_norms", &rows_sq_norms_t<float>, &rows_sq_norms_t<double>,
                 "out[i] = sum_k x[i, k]^2 accumulated in float64 (x (B, K) C-contiguous, out (B,) float64).",
                 py::arg("x").noconvert(), py::arg("out").noconvert());

@@ -44,6 +44,22 @@ def sample_sq_norms(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@ops.register("total_sq_norms", "native", "cpu")
+def total_sq_norms(parts: Sequence[torch.Tensor]):
+    """One pass over the float64 parts, summed in order; the finiteness of every sum, exactly."""
+    parts = [ops.kernel_operand(t, torch.float64) for t in parts]
+    total = torch.empty(parts[0].shape[0], dtype=torch.float64)
+    return total, _C.total_sq_norms([t.numpy() for t in parts], total.numpy())
+
+
+@ops.register("clip_factors", "native", "cpu")
+def clip_factors(total: torch.Tensor, bound: float, scale: float, offset: float, clamp: bool) -> torch.Tensor:
+    total = ops.kernel_operand(total, torch.float64)
+    out = torch.empty_like(total)
+    _C.clip_factors(total.numpy(), float(bound), float(scale), float(offset), bool(clamp), out.numpy())
+    return out
+
+
 @ops.register("embedding_sq_norms", "native", "cpu")
 def embedding_sq_norms(ids: torch.Tensor, g: torch.Tensor, padding_idx) -> torch.Tensor:
     """Per-sample sort of the ids and segment sums of ``g`` rows in float64, OpenMP over samples."""

@@ -17,6 +17,8 @@ from typing import Dict, Mapping, Optional, Sequence, Union
 
 import torch
 
+from fastdp import ops
+
 # Added to norms before dividing, so a zero gradient gets coefficient 1, not inf.
 EPS = 1e-6
 
@@ -31,19 +33,9 @@ class FlatClipping:
     def sensitivity(self) -> float:
         return self.max_grad_norm
 
-    @staticmethod
-    def _scaled_inverse_norms(sq_norms: Mapping[object, torch.Tensor], scale: float, offset: float,
-                              total_sq: Optional[torch.Tensor]) -> torch.Tensor:
-        """``scale / (|g_i| + offset)`` for the whole undivided gradient ``g_i`` (norm ``scale *
-        sqrt(total_sq)``), as ``1 / (sqrt(total_sq) + offset / scale)``: four tensor ops."""
-        if total_sq is None:
-            total_sq = torch.stack(list(sq_norms.values())).sum(0)
-        return total_sq.sqrt().add_(offset / scale).reciprocal_()
-
     def coefficients(self, sq_norms: Mapping[object, torch.Tensor], scale: float = 1.0,
                      total_sq: Optional[torch.Tensor] = None) -> Dict[object, torch.Tensor]:
-        # scale * min(1, C / (|g_i| + EPS))
-        coef = self._scaled_inverse_norms(sq_norms, scale, EPS, total_sq).mul_(self.max_grad_norm).clamp_(max=scale)
+        coef = ops.clip_factors(_total(sq_norms, total_sq), self.max_grad_norm, scale, EPS, True)
         return {p: coef for p in sq_norms}
 
 
@@ -55,8 +47,12 @@ class AutomaticClipping(FlatClipping):
         self.gamma = _positive(gamma, "gamma")
 
     def coefficients(self, sq_norms, scale: float = 1.0, total_sq: Optional[torch.Tensor] = None):
-        coef = self._scaled_inverse_norms(sq_norms, scale, self.gamma, total_sq).mul_(self.max_grad_norm)
+        coef = ops.clip_factors(_total(sq_norms, total_sq), self.max_grad_norm, scale, self.gamma, False)
         return {p: coef for p in sq_norms}
+
+
+def _total(sq_norms: Mapping[object, torch.Tensor], total_sq: Optional[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(list(sq_norms.values())).sum(0) if total_sq is None else total_sq
 
 
 class PerLayerClipping:
@@ -84,8 +80,7 @@ class PerLayerClipping:
         return math.sqrt(sum(c * c for c in self.bounds.values()))
 
     def coefficients(self, sq_norms, scale: float = 1.0, total_sq: Optional[torch.Tensor] = None):
-        return {p: (self.bounds[p] / (n.sqrt() * scale + EPS)).clamp_(max=1.0).mul_(scale)
-                for p, n in sq_norms.items()}
+        return {p: ops.clip_factors(n, self.bounds[p], scale, EPS, True) for p, n in sq_norms.items()}
 
 
 def make_clipping(mode: str, max_grad_norm, params, gamma: float = 0.01):

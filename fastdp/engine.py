@@ -16,13 +16,13 @@ per-sample gradients instantiated and summed, so its norm includes the cross ter
 """
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
 
+from fastdp import ops
 from fastdp.layers import Record, Tap, UnsupportedModuleError, rule_for
 from fastdp.layers.base import sq_norms_of, weighted_sum
 from fastdp.ops import compute_dtype
@@ -150,8 +150,8 @@ class GradSampleEngine:
             sq_norms[p] = sq_norms_of(grads)
 
         # per sample, over all parameters: checked for NaN/Inf here, the flat norm to clip
-        total_sq = torch.stack(list(sq_norms.values())).sum(0) if sq_norms else None
-        bad = self._nonfinite_samples(sq_norms, total_sq)
+        total_sq, finite = ops.total_sq_norms(list(sq_norms.values())) if sq_norms else (None, True)
+        bad = None if finite else self._nonfinite_samples(sq_norms, total_sq)
         if bad is not None:
             sq_norms = {p: torch.where(bad, 0.0, n) for p, n in sq_norms.items()}
             total_sq = torch.where(bad, 0.0, total_sq)
@@ -204,15 +204,10 @@ class GradSampleEngine:
             )
         return sizes.pop()
 
-    def _nonfinite_samples(self, sq_norms, per_sample: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    def _nonfinite_samples(self, sq_norms, per_sample: torch.Tensor) -> Optional[torch.Tensor]:
         """Boolean (B,) mask of the samples with a NaN/Inf squared norm (``per_sample``: their
-        sum over parameters), or None if there are none; raises under nonfinite="raise"."""
-        if per_sample is None:
-            return None
-        # Squared norms are >= 0 or NaN, so their sum is finite exactly when all are:
-        # one reduction on the device and a single host sync per backward pass.
-        if math.isfinite(per_sample.sum().item()):
-            return None
+        sum over parameters, which ``ops.total_sq_norms`` found not all finite), or None if
+        there are none; raises under nonfinite="raise"."""
         finite = torch.isfinite(per_sample).cpu()
         bad = (~finite).nonzero().flatten().tolist()
         if not bad:  # the batch's total overflowed, no sample's norm did

@@ -163,6 +163,22 @@ def sum_to_float64(x: torch.Tensor, dims) -> torch.Tensor:
     return x.sum(dims).double()
 
 
+def total_sq_norms_ref(parts: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, bool]:
+    """Per-sample sum of the float64 ``(B,)`` squared norms ``parts``, and whether the sums are
+    all finite, from one reduction (a single host sync). The sums are of terms >= 0 or NaN, so
+    ``False`` means some sample's norm is NaN/Inf or the batch's total overflowed."""
+    total = torch.stack(list(parts)).sum(0)
+    return total, math.isfinite(total.sum().item())
+
+
+def clip_factors_ref(total: torch.Tensor, bound: float, scale: float, offset: float, clamp: bool) -> torch.Tensor:
+    """``bound / (sqrt(total) + offset / scale)``, capped at ``scale`` if ``clamp``: the coefficient
+    ``scale * min(1, bound / (scale * sqrt(total) + offset))`` of gradients whose squared norms
+    ``total`` were divided by ``scale^2`` (float64 ``(B,)``, a new tensor)."""
+    coef = total.sqrt().add_(offset / scale).reciprocal_().mul_(bound)
+    return coef.clamp_(max=scale) if clamp else coef
+
+
 def sample_sq_norms_ref(x: torch.Tensor) -> torch.Tensor:
     """Squared L2 norm of each sample's slice of ``x`` (B, ...), float64 (B,)."""
     return sum_to_float64(x.flatten(1).square(), 1)
@@ -264,6 +280,8 @@ _REFERENCE: Dict[str, Callable] = {
     "group_norm_backward": group_norm_backward_ref,
     "conv_sq_norms": conv_sq_norms_ref,
     "sample_sq_norms": sample_sq_norms_ref,
+    "total_sq_norms": total_sq_norms_ref,
+    "clip_factors": clip_factors_ref,
     "linear_sq_norms_ghost": linear_sq_norms_ghost_ref,
     "linear_sq_norms_direct": linear_sq_norms_direct_ref,
     "embedding_sq_norms": embedding_sq_norms_ref,
@@ -276,6 +294,14 @@ _REFERENCE: Dict[str, Callable] = {
 
 def sample_sq_norms(x: torch.Tensor) -> torch.Tensor:
     return _call("sample_sq_norms", x.device, x)
+
+
+def total_sq_norms(parts: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, bool]:
+    return _call("total_sq_norms", parts[0].device, parts)
+
+
+def clip_factors(total: torch.Tensor, bound: float, scale: float, offset: float, clamp: bool) -> torch.Tensor:
+    return _call("clip_factors", total.device, total, bound, scale, offset, clamp)
 
 
 def linear_sq_norms_ghost(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
