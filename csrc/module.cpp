@@ -1,5 +1,6 @@
 // Python bindings of the fastdp native extension (fastdp._C).
-// Kernels take NumPy views of CPU tensors (no torch headers needed).
+// Kernels take NumPy views of CPU tensors, or for the small per-step ones their addresses
+// (no torch headers needed either way).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -19,24 +20,25 @@ namespace py = pybind11;
 
 namespace {
 
-void check_contiguous(const py::array& a, const char* what) {
-  if (!(a.flags() & py::array::c_style)) throw std::invalid_argument(std::string(what) + " must be C-contiguous");
+// The per-step kernels called once per parameter or per layer (noise, per-sample norms,
+// totals, clipping factors) take the addresses of contiguous CPU tensors as Python ints
+// (tensor.data_ptr()) with their sizes: a NumPy view costs four dispatcher calls per tensor,
+// more than these kernels on small tensors. The Python wrappers in fastdp/_native_ops.py
+// make the operands contiguous, check their dtypes and allocate the outputs.
+template <typename T>
+T* at(uintptr_t address) {
+  return reinterpret_cast<T*>(address);
 }
 
-void noisy_average(const std::vector<py::array>& src, std::vector<py::array>& dst, double std, double divisor,
+void noisy_average(const std::vector<uintptr_t>& src, const std::vector<uintptr_t>& dst,
+                   const std::vector<int64_t>& numel, const std::vector<bool>& is_double, double std, double divisor,
                    uint64_t seed) {
-  if (src.size() != dst.size()) throw std::invalid_argument("src and dst lists differ in length");
+  const size_t n = src.size();
+  if (dst.size() != n || numel.size() != n || is_double.size() != n)
+    throw std::invalid_argument("src, dst, numel and is_double differ in length");
   std::vector<fastdp::NoiseTensor> tensors;
-  for (size_t i = 0; i < src.size(); ++i) {
-    check_contiguous(src[i], "src");
-    check_contiguous(dst[i], "dst");
-    const bool f32 = src[i].dtype().is(py::dtype::of<float>()), f64 = src[i].dtype().is(py::dtype::of<double>());
-    if (!(f32 || f64) || !dst[i].dtype().is(src[i].dtype()) || dst[i].size() != src[i].size())
-      throw std::invalid_argument("src/dst must be float32 or float64 arrays of equal dtype and size");
-    if (!dst[i].writeable()) throw std::invalid_argument("dst must be writeable");
-    tensors.push_back({src[i].data(), dst[i].mutable_data(), static_cast<int64_t>(src[i].size()),
-                       static_cast<uint32_t>(i), f64});
-  }
+  for (size_t i = 0; i < n; ++i)
+    tensors.push_back({at<const void>(src[i]), at<void>(dst[i]), numel[i], static_cast<uint32_t>(i), is_double[i]});
   py::gil_scoped_release release;
   fastdp::noisy_average(tensors, std, divisor, seed);
 }
@@ -130,34 +132,24 @@ void group_norm_backward_t(const py::array_t<F, py::array::c_style>& x, const py
   fastdp::group_norm_backward<F>(x_p, dy_p, mean_p, rstd_p, gamma_p, n, c, hw, groups, dx_p, dgamma_p, dbeta_p);
 }
 
-using Doubles = py::array_t<double, py::array::c_style>;
-
-bool total_sq_norms(const std::vector<Doubles>& parts, Doubles& total) {
-  if (total.ndim() != 1) throw std::invalid_argument("total must be (B,)");
+bool total_sq_norms(const std::vector<uintptr_t>& parts, int64_t batch, uintptr_t total) {
   std::vector<const double*> ptrs;
-  for (const Doubles& part : parts) {
-    if (part.ndim() != 1 || part.shape(0) != total.shape(0)) throw std::invalid_argument("parts must be (B,) like total");
-    ptrs.push_back(part.data());
-  }
-  double* out = total.mutable_data();
-  return fastdp::total_sq_norms(ptrs, total.shape(0), out);
+  for (uintptr_t part : parts) ptrs.push_back(at<const double>(part));
+  return fastdp::total_sq_norms(ptrs, batch, at<double>(total));
 }
 
-void clip_factors(const Doubles& total, double bound, double scale, double offset, bool clamp, Doubles& out) {
-  if (total.ndim() != 1 || out.ndim() != 1 || out.shape(0) != total.shape(0))
-    throw std::invalid_argument("expected total (B,) and out (B,)");
+void clip_factors(uintptr_t total, int64_t batch, double bound, double scale, double offset, bool clamp,
+                  uintptr_t out) {
   if (!(scale > 0)) throw std::invalid_argument("scale must be > 0");
-  fastdp::clip_factors(total.data(), total.shape(0), bound, scale, offset, clamp, out.mutable_data());
+  fastdp::clip_factors(at<const double>(total), batch, bound, scale, offset, clamp, at<double>(out));
 }
 
-template <typename F>
-void rows_sq_norms_t(const py::array_t<F, py::array::c_style>& x, py::array_t<double, py::array::c_style>& out) {
-  if (x.ndim() != 2 || out.ndim() != 1 || out.shape(0) != x.shape(0))
-    throw std::invalid_argument("expected x (B, K) and out (B,)");
-  const F* x_p = x.data();
-  double* out_p = out.mutable_data();
+void rows_sq_norms(uintptr_t x, int64_t rows, int64_t cols, bool is_double, uintptr_t out) {
   py::gil_scoped_release release;
-  fastdp::rows_sq_norms<F>(x_p, x.shape(0), x.shape(1), out_p);
+  if (is_double)
+    fastdp::rows_sq_norms(at<const double>(x), rows, cols, at<double>(out));
+  else
+    fastdp::rows_sq_norms(at<const float>(x), rows, cols, at<double>(out));
 }
 
 // Binds the float32 and float64 instantiations of one kernel under one name (pybind11
@@ -173,9 +165,10 @@ void def_per_dtype(py::module_& m, const char* name, F32 f32, F64 f64, const cha
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fastdp native CPU kernels";
   m.def("version", []() { return std::string("0.1.0"); }, "Version of the native extension.");
-  m.def("noisy_average", &noisy_average, py::arg("src"), py::arg("dst"), py::arg("std"), py::arg("divisor"),
-        py::arg("seed"),
-        "dst[i] = (src[i] + std * z_i) / divisor, z_i ~ N(0, 1) from Philox keyed by seed, counter by (i, element).");
+  m.def("noisy_average", &noisy_average, py::arg("src"), py::arg("dst"), py::arg("numel"), py::arg("is_double"),
+        py::arg("std"), py::arg("divisor"), py::arg("seed"),
+        "dst[i] = (src[i] + std * z_i) / divisor, z_i ~ N(0, 1) from Philox keyed by seed, counter by (i, element) "
+        "(addresses of contiguous float32 or float64 buffers of numel[i] elements; dst[i] may be src[i]).");
   def_per_dtype(m, "embedding_sq_norms", &embedding_sq_norms_t<float>, &embedding_sq_norms_t<double>,
                 "out[i] = squared norm of sample i's embedding weight gradient (ids (B,T), g (B,T,D)).", py::arg("ids"),
                 py::arg("g").noconvert(), py::arg("has_padding"), py::arg("padding_idx"), py::arg("out").noconvert());
@@ -197,14 +190,17 @@ PYBIND11_MODULE(_C, m) {
       "(B, groups, C_in/groups * kh * kw, C_out/groups).",
       py::arg("x").noconvert(), py::arg("g").noconvert(), py::arg("geometry"), py::arg("ghost"),
       py::arg("out").noconvert(), py::arg("grads").noconvert() = py::none());
-  m.def("total_sq_norms", &total_sq_norms, py::arg("parts").noconvert(), py::arg("total").noconvert(),
-        "total[i] = sum over k of parts[k][i] (float64 (B,) arrays, in order); returns whether all are finite.");
-  m.def("clip_factors", &clip_factors, py::arg("total").noconvert(), py::arg("bound"), py::arg("scale"),
-        py::arg("offset"), py::arg("clamp"), py::arg("out").noconvert(),
-        "out[i] = bound / (sqrt(total[i]) + offset / scale), capped at scale if clamp (float64 (B,) arrays).");
-  def_per_dtype(m, "rows_sq_norms", &rows_sq_norms_t<float>, &rows_sq_norms_t<double>,
-                "out[i] = sum_k x[i, k]^2 accumulated in float64 (x (B, K) C-contiguous, out (B,) float64).",
-                py::arg("x").noconvert(), py::arg("out").noconvert());
+  m.def("total_sq_norms", &total_sq_norms, py::arg("parts"), py::arg("batch"), py::arg("total"),
+        "total[i] = sum over k of parts[k][i] (addresses of float64 (batch,) buffers, summed in order); returns "
+        "whether all are finite.");
+  m.def("clip_factors", &clip_factors, py::arg("total"), py::arg("batch"), py::arg("bound"), py::arg("scale"),
+        py::arg("offset"), py::arg("clamp"), py::arg("out"),
+        "out[i] = bound / (sqrt(total[i]) + offset / scale), capped at scale if clamp (addresses of float64 "
+        "(batch,) buffers).");
+  m.def("rows_sq_norms", &rows_sq_norms, py::arg("x"), py::arg("rows"), py::arg("cols"), py::arg("is_double"),
+        py::arg("out"),
+        "out[i] = sum_k x[i, k]^2 accumulated in float64 (address of a contiguous (rows, cols) float32 or float64 "
+        "buffer; out: float64 (rows,)).");
   def_per_dtype(m, "group_norm_backward", &group_norm_backward_t<float>, &group_norm_backward_t<double>,
                 "GroupNorm backward (x, dy (N,C,HW); mean, rstd (N,G); gamma (C) or None): writes dx (or skips it "
                 "if None) and each sample's parameter gradients dgamma, dbeta (N,C).",

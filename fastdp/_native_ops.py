@@ -2,7 +2,10 @@
 
 Importing this module fails with ImportError when the extension is not built; the
 dispatcher in :mod:`fastdp.ops` then falls back to the references. The kernels take
-NumPy views of contiguous CPU tensors; other dtypes go through float32.
+NumPy views of contiguous CPU tensors, the small per-step ones (noise, per-sample norms,
+totals, clipping factors) their addresses (``data_ptr()``) with sizes and dtype flags, so
+the wrappers here make operands contiguous and check what the C++ side relies on; other
+dtypes go through float32.
 """
 from __future__ import annotations
 
@@ -27,9 +30,8 @@ def noisy_average(sums: Sequence[torch.Tensor], std: float, divisor: float, seed
         return [s.div_(divisor) if inplace else s / divisor for s in sums]
     srcs = [ops.kernel_operand(s) for s in sums]
     outs = srcs if inplace else [torch.empty_like(s) for s in srcs]
-    src_arrays = [s.numpy() for s in srcs]
-    _C.noisy_average(src_arrays, src_arrays if inplace else [o.numpy() for o in outs], float(std), float(divisor),
-                     seed & (2**64 - 1))
+    _C.noisy_average([s.data_ptr() for s in srcs], [o.data_ptr() for o in outs], [s.numel() for s in srcs],
+                     [s.dtype == torch.float64 for s in srcs], float(std), float(divisor), seed & (2**64 - 1))
     return ops.in_input_dtypes(outs, sums)
 
 
@@ -37,10 +39,9 @@ def noisy_average(sums: Sequence[torch.Tensor], std: float, divisor: float, seed
 def sample_sq_norms(x: torch.Tensor) -> torch.Tensor:
     """One pass over the rows of ``x`` viewed as (B, -1), each summed in float64."""
     x = ops.kernel_operand(x)
-    if x.dim() != 2:
-        x = x.flatten(1)
     out = torch.empty(x.shape[0], dtype=torch.float64)
-    _C.rows_sq_norms(x.numpy(), out.numpy())
+    _C.rows_sq_norms(x.data_ptr(), x.shape[0], x.numel() // max(1, x.shape[0]), x.dtype == torch.float64,
+                     out.data_ptr())
     return out
 
 
@@ -48,15 +49,19 @@ def sample_sq_norms(x: torch.Tensor) -> torch.Tensor:
 def total_sq_norms(parts: Sequence[torch.Tensor]):
     """One pass over the float64 parts, summed in order; the finiteness of every sum, exactly."""
     parts = [ops.kernel_operand(t, torch.float64) for t in parts]
-    total = torch.empty(parts[0].shape[0], dtype=torch.float64)
-    return total, _C.total_sq_norms([t.numpy() for t in parts], total.numpy())
+    batch = parts[0].shape[0]
+    if any(t.shape != (batch,) for t in parts):
+        raise ValueError(f"total_sq_norms: every part must be ({batch},), got {[tuple(t.shape) for t in parts]}")
+    total = torch.empty(batch, dtype=torch.float64)
+    return total, _C.total_sq_norms([t.data_ptr() for t in parts], batch, total.data_ptr())
 
 
 @ops.register("clip_factors", "native", "cpu")
 def clip_factors(total: torch.Tensor, bound: float, scale: float, offset: float, clamp: bool) -> torch.Tensor:
     total = ops.kernel_operand(total, torch.float64)
     out = torch.empty_like(total)
-    _C.clip_factors(total.numpy(), float(bound), float(scale), float(offset), bool(clamp), out.numpy())
+    _C.clip_factors(total.data_ptr(), total.numel(), float(bound), float(scale), float(offset), bool(clamp),
+                    out.data_ptr())
     return out
 
 

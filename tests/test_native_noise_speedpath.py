@@ -42,9 +42,9 @@ def test_large_output_against_reference():
 def test_in_place():
     s = torch.randn(3 * GROUP + 11)
     expected = native.noisy_average([s], 2.0, 3.0, 5)[0]
-    arr = s.numpy()
-    _C.noisy_average([arr], [arr], 2.0, 3.0, 5)
+    _C.noisy_average([s.data_ptr()], [s.data_ptr()], [s.numel()], [False], 2.0, 3.0, 5)
     assert torch.equal(s, expected)
+    assert native.noisy_average([s], 2.0, 3.0, 5, inplace=True)[0].data_ptr() == s.data_ptr()
 
 
 def test_seed_high_word_and_index_change_stream():

@@ -1,5 +1,8 @@
-"""Native (C++) per-sample squared norms of a (B, ...) tensor, and the weighted sum that
-reads kernel-written (permuted) per-sample gradients in place."""
+"""Native (C++) per-sample steps against their PyTorch references: squared norms of a
+(B, ...) tensor, totals over parameters with their finiteness, clipping factors; and the
+weighted sum that reads kernel-written (permuted) per-sample gradients in place."""
+import math
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -65,3 +68,40 @@ def test_weighted_sum_of_permuted_layouts(batch, shape, data):
     want = (coef.view(-1, *[1] * len(shape)) * per_sample).sum(0)
     assert out.is_contiguous() and out.shape == tuple(shape)
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=st.integers(1, 300), parts=st.integers(1, 7), bad=st.sampled_from([None, "nan", "inf"]),
+       seed=st.integers(0, 2**31 - 1))
+def test_totals_and_their_finiteness(batch, parts, bad, seed):
+    gen = torch.Generator().manual_seed(seed)
+    sq = [torch.rand(batch, generator=gen, dtype=torch.float64) * 10.0 ** (6 * k - 12) for k in range(parts)]
+    if bad is not None:
+        sq[parts // 2][batch // 2] = float(bad)
+    total, finite = native.total_sq_norms(sq)
+    want, _ = ops.total_sq_norms_ref(sq)
+    assert finite == (bad is None)
+    torch.testing.assert_close(total, want, rtol=1e-15, atol=0, equal_nan=True)
+
+
+def test_total_overflow_is_not_a_nonfinite_sample():
+    """Each sum finite although their batch total overflows: finite (the reference's single
+    reduction says not, and the engine then looks at every sample)."""
+    total, finite = native.total_sq_norms([torch.full((4,), 1e308, dtype=torch.float64)])
+    assert finite and math.isfinite(total.max().item())
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=st.integers(0, 50), scale=st.sampled_from([1.0, 7.0, 256.0]), clamp=st.booleans(),
+       offset=st.sampled_from([1e-6, 0.01]), seed=st.integers(0, 2**31 - 1))
+def test_clip_factors(batch, scale, clamp, offset, seed):
+    gen = torch.Generator().manual_seed(seed)
+    total = torch.rand(batch, generator=gen, dtype=torch.float64) * 4.0
+    if batch > 2:
+        total[0], total[1], total[2] = 0.0, float("inf"), float("nan")
+    out = native.clip_factors(total, 1.5, scale, offset, clamp)
+    want = ops.clip_factors_ref(total, 1.5, scale, offset, clamp)
+    torch.testing.assert_close(out, want, rtol=1e-14, atol=0, equal_nan=True)
+    if batch > 2:  # a zero gradient keeps its coefficient scale (flat) or scale C / offset
+        assert out[0].item() == pytest.approx(scale if clamp else 1.5 * scale / offset, rel=1e-15)
+        assert out[1].item() == 0.0
