@@ -98,10 +98,10 @@ class GradSampleEngine:
         plain = type(module).forward.__get__(module)
 
         def forward(*args, **kwargs):
-            names = rule.trainable(module) if torch.is_grad_enabled() else ()
-            if not names:
+            params = rule.trainable(module) if torch.is_grad_enabled() else None
+            if not params:
                 return plain(*args, **kwargs)
-            return rule.forward(module, Tap(self._record, module, rule, names), *args, **kwargs)
+            return rule.forward(module, Tap(self._record, module, rule, params), *args, **kwargs)
 
         forward.fastdp_engine = self
         return forward

@@ -76,18 +76,19 @@ class Record:
 
 
 class Tap:
-    """Created per forward call; the Function's backward calls :meth:`fire` with what it saw."""
+    """Created per forward call with the trainable parameters it used (by name); the
+    Function's backward calls :meth:`fire` with what it saw."""
 
-    __slots__ = ("sink", "module", "rule", "names")
+    __slots__ = ("sink", "module", "rule", "params")
 
-    def __init__(self, sink: Callable[[Record], None], module: nn.Module, rule: "LayerRule", names):
-        self.sink, self.module, self.rule, self.names = sink, module, rule, names
+    def __init__(self, sink: Callable[[Record], None], module: nn.Module, rule: "LayerRule",
+                 params: Dict[str, torch.Tensor]):
+        self.sink, self.module, self.rule, self.params = sink, module, rule, params
 
     def fire(self, activation: Any, grad_output: torch.Tensor) -> None:
         """Hand over what backward saw; half-precision tensors are widened to float32 so that
         norms, coefficients and clipped sums all accumulate in float32 (mixed precision)."""
-        params = {name: getattr(self.module, name) for name in self.names}
-        self.sink(Record(self.module, self.rule, params, _widen(activation), _widen(grad_output),
+        self.sink(Record(self.module, self.rule, self.params, _widen(activation), _widen(grad_output),
                          grad_output.shape[0]))
 
 
@@ -109,13 +110,17 @@ class LayerRule:
     def check(self, module: nn.Module) -> None:
         """Raise :class:`UnsupportedModuleError` for configurations the rule cannot handle."""
 
-    def trainable(self, module: nn.Module) -> Tuple[str, ...]:
-        names = ()
+    def trainable(self, module: nn.Module) -> Dict[str, torch.Tensor]:
+        """The module's parameters among ``param_names`` that require grad, by name."""
+        found = {}
+        registered = module._parameters  # direct: nn.Module.__getattr__ is slow
         for n in self.param_names:
-            t = getattr(module, n, None)
+            t = registered.get(n)
+            if t is None:
+                t = getattr(module, n, None)
             if isinstance(t, torch.Tensor) and t.requires_grad:
-                names += (n,)
-        return names
+                found[n] = t
+        return found
 
     def forward(self, module: nn.Module, tap: Tap, *args, **kwargs) -> torch.Tensor:
         raise NotImplementedError

@@ -50,10 +50,10 @@ _CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 #
 # The cost model is only a rough guide (grouped convolutions with many channels and few
 # positions run far below peak, the fused kernel's speed depends on the geometry). Where
-# more than one route is plausible, the first call with a new geometry times each, counting
-# the extra convolution against the routes that need it, and remembers the fastest. The key
-# holds every dimension except the batch (costs scale linearly in it): a new image size is
-# a new key, so no decision goes stale. AUTOTUNE=False always follows the cost model.
+# more than one route is plausible, the first call with a new geometry times each with the
+# clipped sum it leaves to do and remembers the fastest (elsewhere the one plausible route).
+# The key holds every dimension except the batch (costs scale linearly in it): a new image
+# size is a new key, so no decision goes stale. AUTOTUNE=False always follows the cost model.
 AUTOTUNE = True
 AUTOTUNE_WITHIN = 4.0  # both flop routes are plausible where their estimates are this close
 KEEP_LIMIT = 4.0
@@ -93,6 +93,12 @@ def _time_routes(key, routes: Dict[str, Callable[[], torch.Tensor]], weight_sum:
     if kept is not None:
         rec.cache["weight"] = kept
     return out
+
+
+def _kept_ratio(x: torch.Tensor, g: torch.Tensor, weight: torch.Tensor) -> float:
+    """Elements of the per-sample weight gradients over those of x and g (which keeping the
+    gradients frees early)."""
+    return x.shape[0] * weight.numel() / max(1, x.numel() + g.numel())
 
 
 def _wait_for_device(rec: Record) -> None:
@@ -238,46 +244,50 @@ class ConvRule(LayerRule):
         g = rec.grad_output
         if x.shape[0] == 0:
             return g.new_zeros(0, dtype=torch.float64)
-        seq = math.prod(g.shape[2:])
-        d = weight.shape[1] * math.prod(spec.kernel)
-        p = weight.shape[0] // spec.groups
-
-        instantiate = lambda: self._direct_sq_norms(rec, x, g, spec, weight.shape)  # noqa: E731
-
-        # kept per-sample gradients against x and g (freed early when kept), in elements
-        kept_ratio = x.shape[0] * weight.numel() / max(1, x.numel() + g.numel())
-
-        def fused_or_composed(ghost: bool, keep: bool = kept_ratio <= 1) -> torch.Tensor:
-            fused = ops.conv_sq_norms(x, g, spec, ghost, keep_grads=keep and not ghost)
-            if fused is None:
-                return self._ghost_sq_norms(x, g, spec, d, p, seq) if ghost else instantiate()
-            norms, grads = fused
-            if grads is not None:
-                rec.cache["weight"] = grads
-            return norms
-
-        routes = {"ghost": lambda: fused_or_composed(True), "direct": lambda: fused_or_composed(False)}
         backend = ops.implementation("conv_sq_norms", x.device)[0]
-        if backend != "reference":  # without a fused kernel "direct" already is "instantiate"
-            routes["instantiate"] = instantiate
-            if 1 < kept_ratio <= KEEP_LIMIT:
-                routes["direct-keep"] = lambda: fused_or_composed(False, keep=True)
-        ghost_cost, direct_cost = route_costs(seq, d, p)
-        if not AUTOTUNE:
-            return routes["ghost" if ghost_cost < direct_cost else "direct"]()
-        if ghost_cost * AUTOTUNE_WITHIN < direct_cost:
-            return routes["ghost"]()
-        if direct_cost * AUTOTUNE_WITHIN < ghost_cost:
-            del routes["ghost"]
-        if len(routes) == 1:
-            return next(iter(routes.values()))()
         key = (tuple(x.shape[1:]), tuple(weight.shape), spec.key(), x.dtype, x.device.type, backend)
-        name = _FASTEST_ROUTE.get(key)
-        if name is None:
-            weight_sum = lambda: _convolution_backward(g, x.to(g.dtype), weight.shape, spec, spec.groups,  # noqa: E731
-                                                       [False, True, False])
-            return _time_routes(key, routes, weight_sum, rec)
-        return routes[name]()
+        name = _FASTEST_ROUTE.get(key) if AUTOTUNE else None
+        if name is not None:
+            return self._route(name, rec)
+        d, p = weight.shape[1] * math.prod(spec.kernel), weight.shape[0] // spec.groups
+        ghost_cost, direct_cost = route_costs(math.prod(g.shape[2:]), d, p)
+        if not AUTOTUNE:
+            return self._route("ghost" if ghost_cost < direct_cost else "direct", rec)
+        routes = ["ghost", "direct"]
+        if backend != "reference":  # without a fused kernel "direct" already is "instantiate"
+            routes.append("instantiate")
+            if 1 < _kept_ratio(x, g, weight) <= KEEP_LIMIT:
+                routes.append("direct-keep")
+        if ghost_cost * AUTOTUNE_WITHIN < direct_cost:
+            routes = ["ghost"]
+        elif direct_cost * AUTOTUNE_WITHIN < ghost_cost:
+            routes.remove("ghost")
+        if len(routes) == 1:
+            _FASTEST_ROUTE[key] = routes[0]
+            return self._route(routes[0], rec)
+        weight_sum = lambda: _convolution_backward(g, x.to(g.dtype), weight.shape, spec, spec.groups,  # noqa: E731
+                                                   [False, True, False])
+        return _time_routes(key, {r: (lambda r=r: self._route(r, rec)) for r in routes}, weight_sum, rec)
+
+    def _route(self, name: str, rec: Record) -> torch.Tensor:
+        """The weight norms by route ``name``; "direct" keeps the per-sample gradients where
+        they are no larger than x and g, "direct-keep" always, "instantiate" (composed) too."""
+        x, spec, weight = self._shapes(rec)
+        g = rec.grad_output
+        if name != "instantiate":
+            ghost = name == "ghost"
+            keep = name == "direct-keep" or (name == "direct" and _kept_ratio(x, g, weight) <= 1)
+            fused = ops.conv_sq_norms(x, g, spec, ghost, keep_grads=keep)
+            if fused is not None:
+                norms, grads = fused
+                if grads is not None:
+                    rec.cache["weight"] = grads
+                return norms
+            if ghost:
+                seq = math.prod(g.shape[2:])
+                return self._ghost_sq_norms(x, g, spec, weight.shape[1] * math.prod(spec.kernel),
+                                            weight.shape[0] // spec.groups, seq)
+        return self._direct_sq_norms(rec, x, g, spec, weight.shape)
 
     def prepare(self, rec: Record) -> None:
         """Find the weight norms during backward; where that instantiated the per-sample
