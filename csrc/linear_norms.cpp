@@ -455,7 +455,8 @@ void store_direct_tile(const Vec<F>* tile, int64_t j0, int64_t j1, int64_t k0, i
 }  // namespace
 
 template <typename F>
-void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& c, bool ghost, double* out, F* grads) {
+void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& c, bool ghost, double* out, F* grads,
+                     F* bias_grads) {
   constexpr int W = kLanes<F>;
   const int64_t groups = c.groups, cin = c.channels / groups, p = c.out_channels / groups;
   const int64_t d = cin * c.kernel_h * c.kernel_w, OW = c.out_width, T = c.out_height * OW;
@@ -473,6 +474,12 @@ void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& c, bool ghost
       phase_images(x + (i * c.channels + grp * cin) * c.height * c.width, c, cin, wide, phases.get());
       wide_patches(phases.get(), c, cin, wide, cols.get());
       const F* gi = g + (i * c.out_channels + grp * p) * T;  // (p, OH * OW)
+      if (bias_grads)
+        for (int64_t j = 0; j < p; ++j) {
+          double sum = 0.0;
+          for (int64_t t = 0; t < T; ++t) sum += gi[j * T + t];
+          bias_grads[i * c.out_channels + grp * p + j] = static_cast<F>(sum);
+        }
       F* gwi = gw.get();
       double total = 0.0;
       if (ghost) {  // g as (p, T) wide rows, zero past OW
@@ -516,8 +523,9 @@ void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& c, bool ghost
   sum_partials(partial, c.batch, groups, out);
 }
 
-template void conv2d_sq_norms<float>(const float*, const float*, const Conv2dGeometry&, bool, double*, float*);
+template void conv2d_sq_norms<float>(const float*, const float*, const Conv2dGeometry&, bool, double*, float*,
+                                      float*);
 template void conv2d_sq_norms<double>(const double*, const double*, const Conv2dGeometry&, bool, double*,
-                                        double*);
+                                        double*, double*);
 
 }  // namespace fastdp

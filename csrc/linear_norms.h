@@ -41,7 +41,10 @@ struct Conv2dGeometry {
 // direct (tiles of g_i^T a_i) route of the linear kernels. The direct route also writes each
 // sample's weight gradient to `grads` unless it is null, each group's transposed: (B, groups,
 // C_in / groups * KH * KW, C_out / groups), so that the kernel's tiles are stored as whole vectors.
+// Either route also writes each sample's bias gradient (the sum of g over positions, in
+// float64, then rounded), (B, C_out), to `bias_grads` unless it is null.
 template <typename F>
-void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& geometry, bool ghost, double* out, F* grads);
+void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& geometry, bool ghost, double* out, F* grads,
+                     F* bias_grads);
 
 }  // namespace fastdp

@@ -83,7 +83,8 @@ void linear_sq_norms_t(const py::array_t<F>& a, const py::array_t<F>& g, py::arr
 template <typename F>
 void conv2d_sq_norms_t(const py::array_t<F, py::array::c_style>& x, const py::array_t<F, py::array::c_style>& g,
                        const std::vector<int64_t>& geometry, bool ghost, py::array_t<double, py::array::c_style>& out,
-                       std::optional<py::array_t<F, py::array::c_style>> grads) {
+                       std::optional<py::array_t<F, py::array::c_style>> grads,
+                       std::optional<py::array_t<F, py::array::c_style>> bias_grads) {
   if (x.ndim() != 4 || g.ndim() != 4 || g.shape(0) != x.shape(0) || out.ndim() != 1 || out.shape(0) != x.shape(0) ||
       geometry.size() != 9)
     throw std::invalid_argument("expected x (B, C, H, W), g (B, C_out, OH, OW), out (B,) and 9 geometry values");
@@ -102,11 +103,16 @@ void conv2d_sq_norms_t(const py::array_t<F, py::array::c_style>& x, const py::ar
                                   "C_out / groups)");
     grads_p = grads->mutable_data();
   }
+  F* bias_p = nullptr;
+  if (bias_grads) {
+    if (bias_grads->size() != c.batch * c.out_channels) throw std::invalid_argument("bias_grads: expected (B, C_out)");
+    bias_p = bias_grads->mutable_data();
+  }
   const F* x_p = x.data();
   const F* g_p = g.data();
   double* out_p = out.mutable_data();
   py::gil_scoped_release release;
-  fastdp::conv2d_sq_norms<F>(x_p, g_p, c, ghost, out_p, grads_p);
+  fastdp::conv2d_sq_norms<F>(x_p, g_p, c, ghost, out_p, grads_p, bias_p);
 }
 
 // x, dy (N, C, HW); mean, rstd (N, G); gamma (C) or None; dx (N, C, HW) or None; dgamma, dbeta (N, C).
@@ -187,9 +193,11 @@ PYBIND11_MODULE(_C, m) {
       "out[i] = squared norm of sample i's 2-D convolution weight gradient (x (B,C,H,W), g (B,C_out,OH,OW) "
       "C-contiguous; geometry (groups, kh, kw, sh, sw, ph, pw, dh, dw)), by the ghost or the direct route; "
       "the direct route also writes the per-sample weight gradients to grads if given, each group's transposed: "
-      "(B, groups, C_in/groups * kh * kw, C_out/groups).",
+      "(B, groups, C_in/groups * kh * kw, C_out/groups); either route writes each sample's bias gradient to "
+      "bias_grads (B, C_out) if given.",
       py::arg("x").noconvert(), py::arg("g").noconvert(), py::arg("geometry"), py::arg("ghost"),
-      py::arg("out").noconvert(), py::arg("grads").noconvert() = py::none());
+      py::arg("out").noconvert(), py::arg("grads").noconvert() = py::none(),
+      py::arg("bias_grads").noconvert() = py::none());
   m.def("total_sq_norms", &total_sq_norms, py::arg("parts"), py::arg("batch"), py::arg("total"),
         "total[i] = sum over k of parts[k][i] (addresses of float64 (batch,) buffers, summed in order); returns "
         "whether all are finite.");

@@ -114,11 +114,13 @@ CONV_MAX_UNFOLDED = 1 << 22
 
 
 @ops.register("conv_sq_norms", "native", "cpu")
-def conv_sq_norms(x: torch.Tensor, g: torch.Tensor, spec, ghost: bool, keep_grads: bool = False):
+def conv_sq_norms(x: torch.Tensor, g: torch.Tensor, spec, ghost: bool, keep_grads: bool = False,
+                  bias_grads: bool = False):
     """1-D and 2-D convolutions: each sample's patches are unfolded into per-thread scratch
     and reduced by the ghost or direct tiles, so the batch's unfolded input is never stored;
-    the direct route writes the per-sample gradients only when ``keep_grads``. ``None``
-    (composed routes) for 3-D convolutions."""
+    the direct route writes the per-sample gradients only when ``keep_grads``, either route
+    the bias's when ``bias_grads`` (from the same read of g). ``None`` (composed routes) for
+    3-D convolutions."""
     nd = x.dim() - 2
     if nd not in (1, 2):
         return None
@@ -137,8 +139,9 @@ def conv_sq_norms(x: torch.Tensor, g: torch.Tensor, spec, ghost: bool, keep_grad
         cin = x.shape[1] // spec.groups
         grads = torch.empty(x.shape[0], spec.groups, cin * math.prod(spec.kernel), g.shape[1] // spec.groups,
                             dtype=dtype)
+    bias = torch.empty(g.shape[0], g.shape[1], dtype=dtype) if bias_grads else None
     _C.conv2d_sq_norms(x4.numpy(), g4.numpy(), [spec.groups, *kernel, *stride, *padding, *dilation], ghost,
-                       out.numpy(), None if grads is None else grads.numpy())
+                       out.numpy(), None if grads is None else grads.numpy(), None if bias is None else bias.numpy())
     if grads is not None:  # (B, C_out, C_in / groups, *kernel): a strided view for one group, else a copy
         shape = (x.shape[0], g.shape[1], cin, *spec.kernel)
         if spec.groups == 1:  # element (i, o, c, *k) of (B, d, p) sits at i d p + (c K + k) p + o
@@ -146,7 +149,7 @@ def conv_sq_norms(x: torch.Tensor, g: torch.Tensor, spec, ghost: bool, keep_grad
             grads = grads.as_strided(shape, (grads.stride(0), 1, math.prod(spec.kernel) * g.shape[1], *tap_strides))
         else:
             grads = grads.transpose(2, 3).reshape(shape)
-    return out, grads
+    return out, grads, bias
 
 
 @ops.register("group_norm_backward", "native", "cpu")

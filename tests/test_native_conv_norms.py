@@ -40,7 +40,7 @@ def _case(dim, batch, groups, cin, cout, kernel, stride, padding, dilation, size
 
 
 def _check(result, x, g, spec):
-    out, grads = result
+    out, grads, bias = result
     exact = per_sample_sq_norms(x, g, spec)
     scale = per_sample_sq_norms(x.double().abs(), g.double().abs(), spec)
     assert out.dtype == torch.float64 and out.shape == (x.shape[0],)
@@ -51,6 +51,10 @@ def _check(result, x, g, spec):
         bound = torch.stack(per_sample_grads(x.double().abs(), g.double().abs(), spec))
         assert grads.shape == want.shape
         assert ((grads.double() - want).abs() <= TOL[grads.dtype] * bound + 1e-300).all()
+    if bias is not None:  # each entry one float64 sum over positions, then rounded once
+        want, bound = g.double().flatten(2).sum(2), g.double().abs().flatten(2).sum(2)
+        assert bias.shape == want.shape and bias.dtype == (x.dtype if x.dtype in TOL else torch.float32)
+        assert ((bias.double() - want).abs() <= TOL[bias.dtype] * bound + 1e-300).all()
 
 
 @settings(max_examples=60, deadline=None)
@@ -62,9 +66,9 @@ def test_matches_per_sample_gradients(dim, batch, groups, cin, cout, kernel, str
                                       dtype, seed):
     size = max(1, dilation * (kernel - 1) + 1 - 2 * padding) + extra  # at least one output position
     x, g, spec = _case(dim, batch, groups, cin, cout, kernel, stride, padding, dilation, size, dtype, seed)
-    for ghost, keep in ((True, False), (False, False), (False, True)):
-        result = native.conv_sq_norms(x, g, spec, ghost, keep_grads=keep)
-        assert (result[1] is not None) == keep
+    for ghost, keep, bias in ((True, False, True), (False, False, False), (False, True, True)):
+        result = native.conv_sq_norms(x, g, spec, ghost, keep_grads=keep, bias_grads=bias)
+        assert (result[1] is not None) == keep and (result[2] is not None) == bias
         _check(result, x, g, spec)
 
 

@@ -277,11 +277,12 @@ class ConvRule(LayerRule):
         if name != "instantiate":
             ghost = name == "ghost"
             keep = name == "direct-keep" or (name == "direct" and _kept_ratio(x, g, weight) <= 1)
-            fused = ops.conv_sq_norms(x, g, spec, ghost, keep_grads=keep)
+            fused = ops.conv_sq_norms(x, g, spec, ghost, keep_grads=keep, bias_grads="bias" in rec.params)
             if fused is not None:
-                norms, grads = fused
-                if grads is not None:
-                    rec.cache["weight"] = grads
+                norms, grads, bias = fused
+                for name, kept in (("weight", grads), ("bias", bias)):
+                    if kept is not None:
+                        rec.cache[name] = kept
                 return norms
             if ghost:
                 seq = math.prod(g.shape[2:])
