@@ -158,6 +158,15 @@ void rows_sq_norms(uintptr_t x, int64_t rows, int64_t cols, bool is_double, uint
     fastdp::rows_sq_norms(at<const float>(x), rows, cols, at<double>(out));
 }
 
+void outer_sq_norms(uintptr_t a, uintptr_t g, int64_t batch, int64_t d, int64_t p, bool is_double, uintptr_t weight,
+                    uintptr_t bias) {
+  py::gil_scoped_release release;
+  if (is_double)
+    fastdp::outer_sq_norms(at<const double>(a), at<const double>(g), batch, d, p, at<double>(weight), at<double>(bias));
+  else
+    fastdp::outer_sq_norms(at<const float>(a), at<const float>(g), batch, d, p, at<double>(weight), at<double>(bias));
+}
+
 // Binds the float32 and float64 instantiations of one kernel under one name (pybind11
 // picks the overload whose arrays match, since they are declared noconvert).
 template <typename F32, typename F64, typename... Args>
@@ -209,6 +218,10 @@ PYBIND11_MODULE(_C, m) {
         py::arg("out"),
         "out[i] = sum_k x[i, k]^2 accumulated in float64 (address of a contiguous (rows, cols) float32 or float64 "
         "buffer; out: float64 (rows,)).");
+  m.def("outer_sq_norms", &outer_sq_norms, py::arg("a"), py::arg("g"), py::arg("batch"), py::arg("d"), py::arg("p"),
+        py::arg("is_double"), py::arg("weight"), py::arg("bias"),
+        "weight[i] = |a_i|^2 |g_i|^2, bias[i] = |g_i|^2 in float64 (addresses of contiguous a (batch, d) and g "
+        "(batch, p), both float32 or both float64; weight, bias: float64 (batch,)).");
   def_per_dtype(m, "group_norm_backward", &group_norm_backward_t<float>, &group_norm_backward_t<double>,
                 "GroupNorm backward (x, dy (N,C,HW); mean, rstd (N,G); gamma (C) or None): writes dx (or skips it "
                 "if None) and each sample's parameter gradients dgamma, dbeta (N,C).",

@@ -42,6 +42,15 @@ void rows_sq_norms(const F* x, int64_t rows, int64_t cols, double* out) {
   }
 }
 
+template <typename F>
+void outer_sq_norms(const F* a, const F* g, int64_t batch, int64_t d, int64_t p, double* weight, double* bias) {
+  rows_sq_norms(a, batch, d, weight);
+  rows_sq_norms(g, batch, p, bias);
+  for (int64_t i = 0; i < batch; ++i) weight[i] *= bias[i];
+}
+
+template void outer_sq_norms<float>(const float*, const float*, int64_t, int64_t, int64_t, double*, double*);
+template void outer_sq_norms<double>(const double*, const double*, int64_t, int64_t, int64_t, double*, double*);
 template void rows_sq_norms<float>(const float*, int64_t, int64_t, double*);
 template void rows_sq_norms<double>(const double*, int64_t, int64_t, double*);
 

@@ -11,4 +11,10 @@ namespace fastdp {
 template <typename F>
 void rows_sq_norms(const F* x, int64_t rows, int64_t cols, double* out);
 
+// A linear layer with one row per sample, a: (B, d), g: (B, p) C-contiguous: the squared
+// norms of its per-sample weight gradients g_i a_i^T, weight[i] = |a_i|^2 |g_i|^2, and of its
+// bias gradients g_i, bias[i] = |g_i|^2 (float64, as rows_sq_norms).
+template <typename F>
+void outer_sq_norms(const F* a, const F* g, int64_t batch, int64_t d, int64_t p, double* weight, double* bias);
+
 }  // namespace fastdp

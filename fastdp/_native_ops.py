@@ -45,6 +45,19 @@ def sample_sq_norms(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@ops.register("outer_sq_norms", "native", "cpu")
+def outer_sq_norms(a: torch.Tensor, g: torch.Tensor):
+    """Both row norms in one call, each row summed in float64."""
+    dtype = ops.kernel_dtype(a, g)
+    a, g = ops.kernel_operand(a, dtype), ops.kernel_operand(g, dtype)
+    if a.dim() != 2 or g.dim() != 2 or a.shape[0] != g.shape[0]:
+        raise ValueError(f"outer_sq_norms: expected a (B, d) and g (B, p), got {tuple(a.shape)}, {tuple(g.shape)}")
+    weight, bias = torch.empty(2, a.shape[0], dtype=torch.float64)
+    _C.outer_sq_norms(a.data_ptr(), g.data_ptr(), a.shape[0], a.shape[1], g.shape[1], dtype == torch.float64,
+                      weight.data_ptr(), bias.data_ptr())
+    return weight, bias
+
+
 @ops.register("total_sq_norms", "native", "cpu")
 def total_sq_norms(parts: Sequence[torch.Tensor]):
     """One pass over the float64 parts, summed in order; the finiteness of every sum, exactly."""

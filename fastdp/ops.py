@@ -163,6 +163,14 @@ def sum_to_float64(x: torch.Tensor, dims) -> torch.Tensor:
     return x.sum(dims).double()
 
 
+def outer_sq_norms_ref(a: torch.Tensor, g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """A linear layer with one row per sample, ``a`` (B, d) and ``g`` (B, p): float64 (B,)
+    squared norms of the per-sample weight gradients ``g_i a_i^T`` (``|a_i|^2 |g_i|^2``) and of
+    the bias gradients ``g_i``."""
+    g_sq = sample_sq_norms_ref(g)
+    return sample_sq_norms_ref(a) * g_sq, g_sq
+
+
 def total_sq_norms_ref(parts: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, bool]:
     """Per-sample sum of the float64 ``(B,)`` squared norms ``parts``, and whether the sums are
     all finite, from one reduction (a single host sync). The sums are of terms >= 0 or NaN, so
@@ -281,6 +289,7 @@ _REFERENCE: Dict[str, Callable] = {
     "group_norm_backward": group_norm_backward_ref,
     "conv_sq_norms": conv_sq_norms_ref,
     "sample_sq_norms": sample_sq_norms_ref,
+    "outer_sq_norms": outer_sq_norms_ref,
     "total_sq_norms": total_sq_norms_ref,
     "clip_factors": clip_factors_ref,
     "linear_sq_norms_ghost": linear_sq_norms_ghost_ref,
@@ -295,6 +304,10 @@ _REFERENCE: Dict[str, Callable] = {
 
 def sample_sq_norms(x: torch.Tensor) -> torch.Tensor:
     return _call("sample_sq_norms", x.device, x)
+
+
+def outer_sq_norms(a: torch.Tensor, g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    return _call("outer_sq_norms", a.device, a, g)
 
 
 def total_sq_norms(parts: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, bool]:

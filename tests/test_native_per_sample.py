@@ -105,3 +105,20 @@ def test_clip_factors(batch, scale, clamp, offset, seed):
     if batch > 2:  # a zero gradient keeps its coefficient scale (flat) or scale C / offset
         assert out[0].item() == pytest.approx(scale if clamp else 1.5 * scale / offset, rel=1e-15)
         assert out[1].item() == 0.0
+
+
+@settings(max_examples=30, deadline=None)
+@given(batch=st.integers(0, 9), d=st.integers(1, 70), p=st.integers(1, 70),
+       dtypes=st.sampled_from([(torch.float32, torch.float32), (torch.float64, torch.float64),
+                               (torch.float32, torch.float64)]), seed=st.integers(0, 2**31 - 1))
+def test_outer_sq_norms_of_one_row_per_sample(batch, d, p, dtypes, seed):
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(batch, d, generator=gen, dtype=torch.float64).to(dtypes[0])
+    g = torch.randn(batch, p, generator=gen, dtype=torch.float64).to(dtypes[1])
+    weight, bias = native.outer_sq_norms(a, g)
+    # exact per-sample gradients g_i a_i^T, then their squared norms
+    want_weight = torch.einsum("bp,bd->bpd", g.double(), a.double()).flatten(1).square().sum(1)
+    want_bias = g.double().square().sum(1)
+    assert weight.dtype == bias.dtype == torch.float64 and weight.shape == bias.shape == (batch,)
+    torch.testing.assert_close(weight, want_weight, rtol=1e-12, atol=0)
+    torch.testing.assert_close(bias, want_bias, rtol=1e-12, atol=0)

@@ -103,10 +103,8 @@ class LinearRule(LayerRule):
         a, g = rec.activation, rec.grad_output
         out = {}
         if a.shape[0] == rec.batch_size:  # one row per sample: the bias gradient is g_i, the weight's g_i a_i^T
-            g_sq = sq_norms_of(g)
-            for name in names:
-                out[name] = sq_norms_of(a) * g_sq if name == "weight" else g_sq
-            return out
+            weight, bias = ops.outer_sq_norms(a, g)
+            return {name: weight if name == "weight" else bias for name in names}
         for name in names:
             if name == "weight":
                 out[name] = sq_norms_3d(*self._per_sample(rec))
