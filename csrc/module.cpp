@@ -21,7 +21,7 @@ namespace py = pybind11;
 namespace {
 
 // The per-step kernels called once per parameter or per layer (noise, per-sample norms,
-// totals, clipping factors) take the addresses of contiguous CPU tensors as Python ints
+// totals, clipping factors, convolution norms) take the addresses of contiguous CPU tensors as Python ints
 // (tensor.data_ptr()) with their sizes: a NumPy view costs four dispatcher calls per tensor,
 // more than these kernels on small tensors. The Python wrappers in fastdp/_native_ops.py
 // make the operands contiguous, check their dtypes and allocate the outputs.
@@ -79,40 +79,28 @@ void linear_sq_norms_t(const py::array_t<F>& a, const py::array_t<F>& g, py::arr
   kernel(av, gv, out_p);
 }
 
-// geometry: (groups, kernel_h, kernel_w, stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w).
-template <typename F>
-void conv2d_sq_norms_t(const py::array_t<F, py::array::c_style>& x, const py::array_t<F, py::array::c_style>& g,
-                       const std::vector<int64_t>& geometry, bool ghost, py::array_t<double, py::array::c_style>& out,
-                       std::optional<py::array_t<F, py::array::c_style>> grads,
-                       std::optional<py::array_t<F, py::array::c_style>> bias_grads) {
-  if (x.ndim() != 4 || g.ndim() != 4 || g.shape(0) != x.shape(0) || out.ndim() != 1 || out.shape(0) != x.shape(0) ||
-      geometry.size() != 9)
-    throw std::invalid_argument("expected x (B, C, H, W), g (B, C_out, OH, OW), out (B,) and 9 geometry values");
-  const fastdp::Conv2dGeometry c{x.shape(0), x.shape(1), x.shape(2), x.shape(3), g.shape(1), g.shape(2), g.shape(3),
-                                 geometry[0], geometry[1], geometry[2], geometry[3], geometry[4], geometry[5],
-                                 geometry[6], geometry[7], geometry[8]};
-  if (c.groups < 1 || c.channels % c.groups || c.out_channels % c.groups || c.kernel_h < 1 || c.kernel_w < 1 ||
-      c.stride_h < 1 || c.stride_w < 1 || c.dilation_h < 1 || c.dilation_w < 1 || c.pad_h < 0 || c.pad_w < 0 ||
-      c.out_height != (c.height + 2 * c.pad_h - c.dilation_h * (c.kernel_h - 1) - 1) / c.stride_h + 1 ||
+// shape: (B, C, H, W, C_out, OH, OW) of x and g; geometry: (groups, kernel_h, kernel_w,
+// stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w). Addresses as for the per-step
+// kernels (called once per convolution layer and backward); grads and bias_grads may be 0.
+void conv2d_sq_norms(uintptr_t x, uintptr_t g, const std::vector<int64_t>& shape, const std::vector<int64_t>& geometry,
+                     bool is_double, bool ghost, uintptr_t out, uintptr_t grads, uintptr_t bias_grads) {
+  if (shape.size() != 7 || geometry.size() != 9) throw std::invalid_argument("expected 7 shape and 9 geometry values");
+  const fastdp::Conv2dGeometry c{shape[0],    shape[1],    shape[2],    shape[3],    shape[4],    shape[5],
+                                 shape[6],    geometry[0], geometry[1], geometry[2], geometry[3], geometry[4],
+                                 geometry[5], geometry[6], geometry[7], geometry[8]};
+  if (c.batch < 0 || c.groups < 1 || c.channels % c.groups || c.out_channels % c.groups || c.kernel_h < 1 ||
+      c.kernel_w < 1 || c.stride_h < 1 || c.stride_w < 1 || c.dilation_h < 1 || c.dilation_w < 1 || c.pad_h < 0 ||
+      c.pad_w < 0 || c.out_height != (c.height + 2 * c.pad_h - c.dilation_h * (c.kernel_h - 1) - 1) / c.stride_h + 1 ||
       c.out_width != (c.width + 2 * c.pad_w - c.dilation_w * (c.kernel_w - 1) - 1) / c.stride_w + 1)
     throw std::invalid_argument("convolution geometry does not match the shapes of x and g");
-  F* grads_p = nullptr;
-  if (grads) {
-    if (ghost || grads->size() != c.batch * c.out_channels * (c.channels / c.groups) * c.kernel_h * c.kernel_w)
-      throw std::invalid_argument("grads: only the direct route writes them, (B, groups, C_in / groups * KH * KW, "
-                                  "C_out / groups)");
-    grads_p = grads->mutable_data();
-  }
-  F* bias_p = nullptr;
-  if (bias_grads) {
-    if (bias_grads->size() != c.batch * c.out_channels) throw std::invalid_argument("bias_grads: expected (B, C_out)");
-    bias_p = bias_grads->mutable_data();
-  }
-  const F* x_p = x.data();
-  const F* g_p = g.data();
-  double* out_p = out.mutable_data();
+  if (ghost && grads) throw std::invalid_argument("grads: only the direct route writes them");
   py::gil_scoped_release release;
-  fastdp::conv2d_sq_norms<F>(x_p, g_p, c, ghost, out_p, grads_p, bias_p);
+  if (is_double)
+    fastdp::conv2d_sq_norms<double>(at<const double>(x), at<const double>(g), c, ghost, at<double>(out),
+                                    at<double>(grads), at<double>(bias_grads));
+  else
+    fastdp::conv2d_sq_norms<float>(at<const float>(x), at<const float>(g), c, ghost, at<double>(out),
+                                   at<float>(grads), at<float>(bias_grads));
 }
 
 // x, dy (N, C, HW); mean, rstd (N, G); gamma (C) or None; dx (N, C, HW) or None; dgamma, dbeta (N, C).
@@ -197,16 +185,14 @@ PYBIND11_MODULE(_C, m) {
       &linear_sq_norms_t<double, fastdp::linear_sq_norms_direct<double>>,
       "out[i] = ||g_i^T a_i||_F^2 from tiles of g_i^T a_i (a (B,T,d), g (B,T,p), any strides; out (B,) float64).",
       py::arg("a").noconvert(), py::arg("g").noconvert(), py::arg("out").noconvert());
-  def_per_dtype(
-      m, "conv2d_sq_norms", &conv2d_sq_norms_t<float>, &conv2d_sq_norms_t<double>,
-      "out[i] = squared norm of sample i's 2-D convolution weight gradient (x (B,C,H,W), g (B,C_out,OH,OW) "
-      "C-contiguous; geometry (groups, kh, kw, sh, sw, ph, pw, dh, dw)), by the ghost or the direct route; "
-      "the direct route also writes the per-sample weight gradients to grads if given, each group's transposed: "
-      "(B, groups, C_in/groups * kh * kw, C_out/groups); either route writes each sample's bias gradient to "
-      "bias_grads (B, C_out) if given.",
-      py::arg("x").noconvert(), py::arg("g").noconvert(), py::arg("geometry"), py::arg("ghost"),
-      py::arg("out").noconvert(), py::arg("grads").noconvert() = py::none(),
-      py::arg("bias_grads").noconvert() = py::none());
+  m.def("conv2d_sq_norms", &conv2d_sq_norms, py::arg("x"), py::arg("g"), py::arg("shape"), py::arg("geometry"),
+        py::arg("is_double"), py::arg("ghost"), py::arg("out"), py::arg("grads"), py::arg("bias_grads"),
+        "out[i] = squared norm of sample i's 2-D convolution weight gradient (addresses of C-contiguous x (B,C,H,W) "
+        "and g (B,C_out,OH,OW), both float32 or both float64; shape (B, C, H, W, C_out, OH, OW); geometry (groups, "
+        "kh, kw, sh, sw, ph, pw, dh, dw); out float64 (B,)), by the ghost or the direct route; the direct route also "
+        "writes the per-sample weight gradients to grads if not 0, each group's transposed: (B, groups, "
+        "C_in/groups * kh * kw, C_out/groups); either route writes each sample's bias gradient to bias_grads "
+        "(B, C_out) if not 0.");
   m.def("total_sq_norms", &total_sq_norms, py::arg("parts"), py::arg("batch"), py::arg("total"),
         "total[i] = sum over k of parts[k][i] (addresses of float64 (batch,) buffers, summed in order); returns "
         "whether all are finite.");

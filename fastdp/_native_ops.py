@@ -2,10 +2,11 @@
 
 Importing this module fails with ImportError when the extension is not built; the
 dispatcher in :mod:`fastdp.ops` then falls back to the references. The kernels take
-NumPy views of contiguous CPU tensors, the small per-step ones (noise, per-sample norms,
-totals, clipping factors) their addresses (``data_ptr()``) with sizes and dtype flags, so
-the wrappers here make operands contiguous and check what the C++ side relies on; other
-dtypes go through float32.
+NumPy views of contiguous CPU tensors, or, those called every step for every parameter or
+layer (noise, per-sample norms, totals, clipping factors, the fused convolution norms),
+their addresses (``data_ptr()``) with sizes and dtype flags: a NumPy view costs four
+dispatcher calls. The wrappers here make operands contiguous, allocate the outputs and
+check what the C++ side relies on; other dtypes go through float32.
 """
 from __future__ import annotations
 
@@ -153,8 +154,9 @@ def conv_sq_norms(x: torch.Tensor, g: torch.Tensor, spec, ghost: bool, keep_grad
         grads = torch.empty(x.shape[0], spec.groups, cin * math.prod(spec.kernel), g.shape[1] // spec.groups,
                             dtype=dtype)
     bias = torch.empty(g.shape[0], g.shape[1], dtype=dtype) if bias_grads else None
-    _C.conv2d_sq_norms(x4.numpy(), g4.numpy(), [spec.groups, *kernel, *stride, *padding, *dilation], ghost,
-                       out.numpy(), None if grads is None else grads.numpy(), None if bias is None else bias.numpy())
+    _C.conv2d_sq_norms(x4.data_ptr(), g4.data_ptr(), [*x4.shape, *g4.shape[1:]],
+                       [spec.groups, *kernel, *stride, *padding, *dilation], dtype == torch.float64, ghost,
+                       out.data_ptr(), 0 if grads is None else grads.data_ptr(), 0 if bias is None else bias.data_ptr())
     if grads is not None:  # (B, C_out, C_in / groups, *kernel): a strided view for one group, else a copy
         shape = (x.shape[0], g.shape[1], cin, *spec.kernel)
         if spec.groups == 1:  # element (i, o, c, *k) of (B, d, p) sits at i d p + (c K + k) p + o
