@@ -32,8 +32,8 @@ from torch import nn
 
 from fastdp import ops
 from fastdp.layers import register
-from fastdp.layers.base import (LayerRule, Record, Tap, UnsupportedModuleError, batch_chunks, expand_like,
-                                sq_norms_of, weighted_sum)
+from fastdp.layers.base import (LayerRule, Record, Tap, UnsupportedModuleError, as_dtype, batch_chunks,
+                                expand_like, sq_norms_of, weighted_sum)
 from fastdp.layers.linear import route_costs
 
 _CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -146,7 +146,8 @@ class _ConvFn(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             # under autocast x may be float32 while grad_out is bfloat16: one dtype for aten
-            grad_x = _convolution_backward(grad_out, x.to(grad_out.dtype), weight.to(grad_out.dtype), ctx.spec,
+            dtype = grad_out.dtype
+            grad_x = _convolution_backward(grad_out, as_dtype(x, dtype), as_dtype(weight, dtype), ctx.spec,
                                            ctx.spec.groups, [True, False, False])[0]
         return grad_x, None, None, None, None
 
