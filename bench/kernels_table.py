@@ -121,6 +121,7 @@ def conv_routes(x, g, spec, weight_shape, fused):
         "composed direct (grouped conv)": lambda: sq_norms_of(rule._per_sample_weight(x, g, spec, weight_shape)),
         "native ghost": lambda: fused(x, g, spec, True)[0],
         "native direct": lambda: fused(x, g, spec, False)[0],
+        "native direct, kept gradients": lambda: fused(x, g, spec, False, keep_grads=True)[0],
         "weight gradient": lambda: _convolution_backward(g, x, weight_shape, spec, 1, [False, True, False])[1],
     }
 

@@ -21,7 +21,10 @@ EMBEDDING = {"B64 T128 D256 V1000": (64, 128, 256, 1000)}
 # (batch, C_in, C_out, image size, kernel, stride, padding): layers of the CIFAR and MNIST CNNs
 CONV = {"CIFAR conv1 B128 3-32 32px k3": (128, 3, 32, 32, 3, 1, 1),
         "CIFAR conv3 B128 64-64 8px k3": (128, 64, 64, 8, 3, 1, 1),
-        "MNIST conv1 B256 1-16 28px k8 s2": (256, 1, 16, 28, 8, 2, 2)}
+        "MNIST conv1 B256 1-16 28px k8 s2": (256, 1, 16, 28, 8, 2, 2),
+        "MNIST conv2 B64 16-32 12px k4 s2": (64, 16, 32, 12, 4, 2, 0)}
+# per-sample tensors (B, K) whose per-sample squared norms the rules take
+SAMPLE_NORMS = {"B256 K784": (256, 784), "B64 K8192": (64, 8192), "B1 K16M": (1, 1 << 24)}
 GROUP_NORM = {"CIFAR gn1 B128 C32 32px G8": (128, 32, 32, 8), "CIFAR gn3 B128 C64 8px G8": (128, 64, 8, 8)}
 
 
@@ -101,11 +104,21 @@ def _conv_routes(x, g, spec, weight_shape):
 
 
 @pytest.mark.parametrize("impl", ["loop", "composed ghost (unfold)", "composed direct (grouped conv)", "native ghost",
-                                  "native direct", "weight gradient"])
+                                  "native direct", "native direct, kept gradients", "weight gradient"])
 @pytest.mark.parametrize("shape", list(CONV))
 def test_conv_norms(benchmark, shape, impl):
     benchmark.group = f"conv norms {shape}"
     benchmark(_conv_routes(*_conv_case(shape))[impl])
+
+
+@pytest.mark.parametrize("impl", ["loop", "reference", "native"])
+@pytest.mark.parametrize("shape", list(SAMPLE_NORMS))
+def test_sample_sq_norms(benchmark, shape, impl):
+    benchmark.group = f"per-sample squared norms {shape}"
+    x = torch.randn(*SAMPLE_NORMS[shape])
+    fn = {"loop": lambda: torch.stack([row.square().sum().double() for row in x]),
+          "reference": lambda: ops.sample_sq_norms_ref(x), "native": lambda: native.sample_sq_norms(x)}[impl]
+    benchmark(fn)
 
 
 def _group_norm_loop(g, x, mean, rstd, weight, groups):

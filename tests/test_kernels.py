@@ -353,7 +353,9 @@ def test_cuda_dispatch_and_forced_backends(monkeypatch):
     chosen = {op: ops.implementation(op, torch.device("cuda"))[0] for op in ops._REFERENCE}
     assert chosen == {"linear_sq_norms_ghost": "triton", "linear_sq_norms_direct": "reference",
                       "embedding_sq_norms": "triton", "noisy_average": "native",
-                      "conv_sq_norms": "reference", "group_norm_backward": "reference"}
+                      "conv_sq_norms": "reference", "group_norm_backward": "reference",
+                      "sample_sq_norms": "reference", "outer_sq_norms": "reference",
+                      "total_sq_norms": "reference", "clip_factors": "reference"}
     monkeypatch.setenv("FASTDP_BACKEND", "native")
     assert ops.implementation("noisy_average", torch.device("cuda"))[0] == "native"
     monkeypatch.setenv("FASTDP_BACKEND", "triton")
