@@ -8,7 +8,7 @@ which scales the noise (std = noise_multiplier * sensitivity on the sum).
 loss divides them by the batch size), and the coefficients returned apply to those divided
 gradients: ``scale * c(scale^2 * sq_norms)``. ``total_sq``, where the caller has it, is the
 per-sample sum of ``sq_norms`` over parameters (not modified). Flat and automatic clipping
-return one tensor shared by all parameters.
+give one tensor shared by all parameters, also directly from the total (``coefficient``).
 """
 from __future__ import annotations
 
@@ -35,8 +35,12 @@ class FlatClipping:
 
     def coefficients(self, sq_norms: Mapping[object, torch.Tensor], scale: float = 1.0,
                      total_sq: Optional[torch.Tensor] = None) -> Dict[object, torch.Tensor]:
-        coef = ops.clip_factors(_total(sq_norms, total_sq), self.max_grad_norm, scale, EPS, True)
+        coef = self.coefficient(_total(sq_norms, total_sq), scale)
         return {p: coef for p in sq_norms}
+
+    def coefficient(self, total_sq: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """The one coefficient (B,) that every parameter shares, from the per-sample total."""
+        return ops.clip_factors(total_sq, self.max_grad_norm, scale, EPS, True)
 
 
 class AutomaticClipping(FlatClipping):
@@ -46,9 +50,8 @@ class AutomaticClipping(FlatClipping):
         super().__init__(max_grad_norm)
         self.gamma = _positive(gamma, "gamma")
 
-    def coefficients(self, sq_norms, scale: float = 1.0, total_sq: Optional[torch.Tensor] = None):
-        coef = ops.clip_factors(_total(sq_norms, total_sq), self.max_grad_norm, scale, self.gamma, False)
-        return {p: coef for p in sq_norms}
+    def coefficient(self, total_sq: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return ops.clip_factors(total_sq, self.max_grad_norm, scale, self.gamma, False)
 
 
 def _total(sq_norms: Mapping[object, torch.Tensor], total_sq: Optional[torch.Tensor]) -> torch.Tensor:

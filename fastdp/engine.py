@@ -56,7 +56,7 @@ class GradSampleEngine:
         if nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"nonfinite={nonfinite!r}: expected 'raise' or 'skip'")
         self.params = [p for p in params if p.requires_grad]
-        self._private = set(self.params)
+        self._private_ids = {id(p) for p in self.params}
         validate(module, self.params)
         self.module = module
         self.clipping = clipping
@@ -131,59 +131,72 @@ class GradSampleEngine:
             return
         scale = float(batch) if self.loss_reduction == "mean" else 1.0
 
-        uses: Dict[torch.Tensor, List[tuple]] = defaultdict(list)
+        # each private parameter's uses (record, name), keyed by id (Tensor.__hash__ is Python)
+        uses: Dict[int, List[tuple]] = {}
+        private = self._private_ids
         for rec in records:
             for name, p in rec.params.items():
-                if p in self._private:
-                    uses[p].append((rec, name))
-        shared = {p: self._summed_per_sample(u) for p, u in uses.items() if len(u) > 1}
+                if id(p) in private:
+                    uses.setdefault(id(p), []).append((rec, name))
+        shared = {u[0][0].params[u[0][1]]: self._summed_per_sample(u) for u in uses.values() if len(u) > 1}
         own: Dict[Record, List[str]] = defaultdict(list)  # names whose parameter only this record used
         for u in uses.values():
             if len(u) == 1:
                 own[u[0][0]].append(u[0][1])
 
-        sq_norms: Dict[torch.Tensor, torch.Tensor] = {}
+        params: List[torch.Tensor] = []
+        norms: List[torch.Tensor] = []
         for rec, names in own.items():
-            for name, norms in rec.rule.sq_norms(rec, names).items():
-                sq_norms[rec.params[name]] = norms
+            for name, n in rec.rule.sq_norms(rec, names).items():
+                params.append(rec.params[name])
+                norms.append(n)
         for p, grads in shared.items():
-            sq_norms[p] = sq_norms_of(grads)
+            params.append(p)
+            norms.append(sq_norms_of(grads))
 
         # per sample, over all parameters: checked for NaN/Inf here, the flat norm to clip
-        total_sq, finite = ops.total_sq_norms(list(sq_norms.values())) if sq_norms else (None, True)
-        bad = None if finite else self._nonfinite_samples(sq_norms, total_sq)
+        total_sq, finite = ops.total_sq_norms(norms) if norms else (None, True)
+        bad = None if finite else self._nonfinite_samples(dict(zip(params, norms)), total_sq)
         if bad is not None:
-            sq_norms = {p: torch.where(bad, 0.0, n) for p, n in sq_norms.items()}
+            norms = [torch.where(bad, 0.0, n) for n in norms]
             total_sq = torch.where(bad, 0.0, total_sq)
             for rec in records:
                 rec.zero_samples(bad)
             shared = {p: torch.nan_to_num(g * (~bad).view(-1, *[1] * (g.dim() - 1)), 0.0, 0.0, 0.0)
                       for p, g in shared.items()}
 
-        coefs = self._in_compute_dtypes(self.clipping.coefficients(sq_norms, scale, total_sq), bad)
-
+        coef_of = self._coefficients(params, norms, scale, total_sq, bad)
         for rec, names in own.items():
-            sums = rec.rule.clipped_sums(rec, {n: coefs[rec.params[n]] for n in names})
+            sums = rec.rule.clipped_sums(rec, {n: coef_of(rec.params[n]) for n in names})
             for name, s in sums.items():
                 self._accumulate(rec.params[name], s)
         for p, grads in shared.items():
-            self._accumulate(p, weighted_sum(coefs[p], grads))
+            self._accumulate(p, weighted_sum(coef_of(p), grads))
         self.samples_seen += batch
 
-    @staticmethod
-    def _in_compute_dtypes(coefs, bad: Optional[torch.Tensor]) -> Dict[torch.Tensor, torch.Tensor]:
-        """Coefficients zeroed for dropped samples and cast once per distinct tensor to the
-        dtype the rules compute in (float32 for half-precision parameters), so parameters that
-        share one coefficient (flat clipping) share one cast."""
-        done: Dict[tuple, torch.Tensor] = {}
-        out = {}
-        for p, c in coefs.items():
+    def _coefficients(self, params: List[torch.Tensor], norms: List[torch.Tensor], scale: float,
+                      total_sq: Optional[torch.Tensor], bad: Optional[torch.Tensor]):
+        """``coef_of(param)``: its clipping coefficients (B,), zeroed for dropped samples and in
+        the dtype the rules compute in (float32 for half-precision parameters). A policy with
+        one coefficient for all parameters (flat, automatic) gives it once, cast once per dtype."""
+        shared = getattr(self.clipping, "coefficient", None)
+        if shared is not None and total_sq is not None:
+            coefs = {None: shared(total_sq, scale)}
+            key = lambda p: None  # noqa: E731
+        else:
+            coefs = self.clipping.coefficients(dict(zip(params, norms)), scale, total_sq)
+            key = lambda p: p  # noqa: E731
+        cast: Dict[tuple, torch.Tensor] = {}
+
+        def coef_of(p: torch.Tensor) -> torch.Tensor:
+            c = coefs[key(p)]
             dtype = compute_dtype(p.dtype)
-            key = (id(c), dtype)
-            if key not in done:
-                done[key] = (c if bad is None else torch.where(bad, 0.0, c)).to(dtype)
-            out[p] = done[key]
-        return out
+            done = cast.get((id(c), dtype))
+            if done is None:
+                done = cast[(id(c), dtype)] = (c if bad is None else torch.where(bad, 0.0, c)).to(dtype)
+            return done
+
+        return coef_of
 
     @staticmethod
     def _summed_per_sample(uses) -> torch.Tensor:
