@@ -181,15 +181,13 @@ class GradSampleEngine:
         one coefficient for all parameters (flat, automatic) gives it once, cast once per dtype."""
         shared = getattr(self.clipping, "coefficient", None)
         if shared is not None and total_sq is not None:
-            coefs = {None: shared(total_sq, scale)}
-            key = lambda p: None  # noqa: E731
+            one, per_param = shared(total_sq, scale), None
         else:
-            coefs = self.clipping.coefficients(dict(zip(params, norms)), scale, total_sq)
-            key = lambda p: p  # noqa: E731
+            one, per_param = None, self.clipping.coefficients(dict(zip(params, norms)), scale, total_sq)
         cast: Dict[tuple, torch.Tensor] = {}
 
         def coef_of(p: torch.Tensor) -> torch.Tensor:
-            c = coefs[key(p)]
+            c = one if per_param is None else per_param[p]
             dtype = compute_dtype(p.dtype)
             done = cast.get((id(c), dtype))
             if done is None:
