@@ -205,6 +205,11 @@ class ConvRule(LayerRule):
         x, spec = rec.activation
         return x, spec, rec.param("weight")
 
+    @staticmethod
+    def _linear_dims(g: torch.Tensor, spec: ConvSpec, weight: torch.Tensor):
+        """Each group's convolution as a linear layer: (T positions, d patch elements, p outputs)."""
+        return math.prod(g.shape[2:]), weight.shape[1] * math.prod(spec.kernel), weight.shape[0] // spec.groups
+
     def _per_sample_weight(self, x, g, spec: ConvSpec, weight_shape) -> torch.Tensor:
         """(B, C_out, C_in/groups, *k) per-sample weight gradients via one grouped conv backward."""
         batch = x.shape[0]
@@ -250,8 +255,7 @@ class ConvRule(LayerRule):
         name = _FASTEST_ROUTE.get(key) if AUTOTUNE else None
         if name is not None:
             return self._route(name, rec)
-        d, p = weight.shape[1] * math.prod(spec.kernel), weight.shape[0] // spec.groups
-        ghost_cost, direct_cost = route_costs(math.prod(g.shape[2:]), d, p)
+        ghost_cost, direct_cost = route_costs(*self._linear_dims(g, spec, weight))
         if not AUTOTUNE:
             return self._route("ghost" if ghost_cost < direct_cost else "direct", rec)
         routes = ["ghost", "direct"]
@@ -281,14 +285,13 @@ class ConvRule(LayerRule):
             fused = ops.conv_sq_norms(x, g, spec, ghost, keep_grads=keep, bias_grads="bias" in rec.params)
             if fused is not None:
                 norms, grads, bias = fused
-                for name, kept in (("weight", grads), ("bias", bias)):
+                for param, kept in (("weight", grads), ("bias", bias)):
                     if kept is not None:
-                        rec.cache[name] = kept
+                        rec.cache[param] = kept
                 return norms
             if ghost:
-                seq = math.prod(g.shape[2:])
-                return self._ghost_sq_norms(x, g, spec, weight.shape[1] * math.prod(spec.kernel),
-                                            weight.shape[0] // spec.groups, seq)
+                seq, d, p = self._linear_dims(g, spec, weight)
+                return self._ghost_sq_norms(x, g, spec, d, p, seq)
         return self._direct_sq_norms(rec, x, g, spec, weight.shape)
 
     def prepare(self, rec: Record) -> None:

@@ -93,18 +93,20 @@ class LinearRule(LayerRule):
         rec.activation, rec.grad_output = _rows(rec.activation), _rows(rec.grad_output)
 
     @staticmethod
-    def _per_sample(rec: Record):
+    def _seq(rec: Record) -> int:
+        """T, the rows per sample (1 for an empty batch)."""
+        return rec.activation.shape[0] // rec.batch_size if rec.batch_size else 1
+
+    def _per_sample(self, rec: Record):
         """``a`` (B, T, d) and ``g`` (B, T, p) as views of the record's rows."""
-        a, g, batch = rec.activation, rec.grad_output, rec.batch_size
-        seq = a.shape[0] // batch if batch else 1
+        a, g, batch, seq = rec.activation, rec.grad_output, rec.batch_size, self._seq(rec)
         return a.view(batch, seq, a.shape[1]), g.view(batch, seq, g.shape[1])
 
     def sq_norms(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
-        a, g = rec.activation, rec.grad_output
-        out = {}
-        if a.shape[0] == rec.batch_size:  # one row per sample: the bias gradient is g_i, the weight's g_i a_i^T
-            weight, bias = ops.outer_sq_norms(a, g)
+        if self._seq(rec) == 1:  # one row per sample: the bias gradient is g_i, the weight's g_i a_i^T
+            weight, bias = ops.outer_sq_norms(rec.activation, rec.grad_output)
             return {name: weight if name == "weight" else bias for name in names}
+        out = {}
         for name in names:
             if name == "weight":
                 out[name] = sq_norms_3d(*self._per_sample(rec))
@@ -123,7 +125,7 @@ class LinearRule(LayerRule):
         a, g = rec.activation, rec.grad_output
         dtype = a.dtype if a.dtype == g.dtype else torch.promote_types(a.dtype, g.dtype)
         a, g = as_dtype(a, dtype), as_dtype(g, dtype)
-        seq = a.shape[0] // rec.batch_size
+        seq = self._seq(rec)
         out = {}
         if "weight" in coefs:
             c = _per_row(coefs["weight"], seq, dtype).unsqueeze(1)
