@@ -249,12 +249,15 @@ def _vmap_step(model, x, y, crit, opt):
     return step
 
 
-def _fastdp_step(model, x, y, crit, opt):
+def _fastdp_optimizer(model, x, opt):
     from fastdp import DPOptimizer
 
-    dp = DPOptimizer(opt, module=model, noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=MAX_GRAD_NORM,
-                     expected_batch_size=x.shape[0], seed=SEED)
-    return _plain_step(model, x, y, crit, dp)
+    return DPOptimizer(opt, module=model, noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=MAX_GRAD_NORM,
+                       expected_batch_size=x.shape[0], seed=SEED)
+
+
+def _fastdp_step(model, x, y, crit, opt):
+    return _plain_step(model, x, y, crit, _fastdp_optimizer(model, x, opt))
 
 
 def _opacus_hooks_step(model, x, y, crit, opt):
