@@ -142,7 +142,7 @@ def _box_muller(w_radius, w_angle):
     return r * cos, r * sin
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed_lo", "seed_hi"])
 def _noisy_average_kernel(
     like, src_ptrs, dst_ptrs, numels, indices, prog_tensor, prog_group, seed_lo, seed_hi, std, divisor,
     GROUP: tl.constexpr, GROUPS_PER_PROG: tl.constexpr,

@@ -12,7 +12,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fastdp import ops
@@ -115,6 +115,8 @@ def test_box_muller_matches_float64_math():
     std=st.floats(0.1, 3.0),
     divisor=st.floats(0.5, 300.0),
 )
+# Seed words equal to 1 are specialised to constants by the Triton compiler unless told not to.
+@example(sizes=[5], dtype=torch.float32, seed=2**32 + 1, std=1.0, divisor=1.0)
 def test_noise_kernels_match_stream_reference(tri, sizes, dtype, seed, std, divisor):
     sums = [torch.randn(n, dtype=torch.float64).to(dtype) for n in sizes]
     ref = noise_ref.noisy_average_philox_ref(sums, std, divisor, seed)
