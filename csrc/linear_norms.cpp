@@ -395,11 +395,15 @@ struct WideLayout {
 // The zero-padded input of one sample's group split by stride phase: image (phy * sw + phx)
 // * channels + ch holds x[ch, u * sh + phy - ph, v * sw + phx - pw] at [u, v] (0 outside x).
 // Tap (ki, kj) of output (oy, ox) then sits in image (ki dh % sh, kj dw % sw) at
-// [oy + ki dh / sh, ox + kj dw / sw].
+// [oy + ki dh / sh, ox + kj dw / sw]. Each row: zeros, the columns inside x, zeros.
 template <typename F>
-void phase_images(const F* x, const Conv2dGeometry& c, int64_t channels, const WideLayout& w, F* out) {
+__attribute__((always_inline)) inline void phase_images(const F* x, const Conv2dGeometry& c, int64_t channels,
+                                                        const WideLayout& w, F* out) {
   for (int64_t phy = 0; phy < c.stride_h; ++phy)
-    for (int64_t phx = 0; phx < c.stride_w; ++phx)
+    for (int64_t phx = 0; phx < c.stride_w; ++phx) {
+      const int64_t shift = phx - c.pad_w;  // ix = v * sw + shift
+      const int64_t v_lo = std::min(w.V, shift >= 0 ? 0 : (-shift + c.stride_w - 1) / c.stride_w);
+      const int64_t v_hi = std::max(v_lo, std::min(w.V, (c.width - shift + c.stride_w - 1) / c.stride_w));
       for (int64_t ch = 0; ch < channels; ++ch) {
         F* img = out + ((phy * c.stride_w + phx) * channels + ch) * w.U * w.V;
         for (int64_t u = 0; u < w.U; ++u) {
@@ -410,27 +414,130 @@ void phase_images(const F* x, const Conv2dGeometry& c, int64_t channels, const W
             continue;
           }
           const F* src = x + (ch * c.height + iy) * c.width;
-          for (int64_t v = 0; v < w.V; ++v) {
-            const int64_t ix = v * c.stride_w + phx - c.pad_w;
-            dst[v] = ix >= 0 && ix < c.width ? src[ix] : F(0);
-          }
+          std::fill(dst, dst + v_lo, F(0));
+          for (int64_t v = v_lo; v < v_hi; ++v) dst[v] = src[v * c.stride_w + shift];
+          std::fill(dst + v_hi, dst + w.V, F(0));
         }
       }
+    }
   std::fill(out + w.images * w.U * w.V, out + w.phase_elements(), F(0));
+}
+
+// dst[0, n) = src[0, n) in whole vectors and a scalar tail (no library call for short rows).
+template <typename F>
+__attribute__((always_inline)) inline void copy_row(const F* src, int64_t n, F* dst) {
+  constexpr int W = kLanes<F>;
+  int64_t t = 0;
+  for (; t + W <= n; t += W) store(dst + t, Vec<F>(load(src + t)));
+  for (; t < n; ++t) dst[t] = src[t];
 }
 
 // Patches as a (d, T) matrix in the wide layout: row (ch * KH + ki) * KW + kj is one copy of
 // T consecutive phase-buffer elements.
 template <typename F>
-void wide_patches(const F* phases, const Conv2dGeometry& c, int64_t channels, const WideLayout& w, F* cols) {
+__attribute__((always_inline)) inline void wide_patches(const F* phases, const Conv2dGeometry& c, int64_t channels,
+                                                        const WideLayout& w, F* cols) {
   for (int64_t ch = 0; ch < channels; ++ch)
     for (int64_t ki = 0; ki < c.kernel_h; ++ki)
       for (int64_t kj = 0; kj < c.kernel_w; ++kj) {
         const int64_t dy = ki * c.dilation_h, dx = kj * c.dilation_w;
         const int64_t image = ((dy % c.stride_h) * c.stride_w + dx % c.stride_w) * channels + ch;
         const F* src = phases + (image * w.U + dy / c.stride_h) * w.V + dx / c.stride_w;
-        std::copy(src, src + w.T, cols + ((ch * c.kernel_h + ki) * c.kernel_w + kj) * w.T);
+        copy_row(src, w.T, cols + ((ch * c.kernel_h + ki) * c.kernel_w + kj) * w.T);
       }
+}
+
+// sum(x[0, n)) in float64, in 16 interleaved partial sums (vectorisable, no serial chain).
+template <typename F>
+__attribute__((always_inline)) inline double row_sum(const F* x, int64_t n) {
+  constexpr int L = 16;
+  double lanes[L] = {};
+  int64_t t = 0;
+  for (; t + L <= n; t += L)
+    for (int l = 0; l < L; ++l) lanes[l] += x[t + l];
+  double sum = 0.0;
+  for (; t < n; ++t) sum += x[t];
+  for (int l = 0; l < L; ++l) sum += lanes[l];
+  return sum;
+}
+
+// g of one sample's group, (p, OH * OW), as (T wide, p_pad) rows (zero past OW and past p),
+// the direct route's vector operand: W x W blocks transposed in registers where the compiler
+// has the shuffles, else element by element.
+template <typename F>
+__attribute__((always_inline)) inline void wide_g_transposed(const F* g, const Conv2dGeometry& c, int64_t p,
+                                                             int64_t p_pad, const WideLayout& w, F* out) {
+  constexpr int W = kLanes<F>;
+  const int64_t OW = c.out_width, T = c.out_height * OW;
+  for (int64_t oy = 0; oy < c.out_height; ++oy)
+    for (int64_t ox0 = 0; ox0 < w.V; ox0 += W) {
+      const int64_t width = std::min<int64_t>(W, w.V - ox0);
+      const int64_t valid = std::clamp<int64_t>(OW - ox0, 0, width);
+      F* dst = out + (oy * w.V + ox0) * p_pad;
+#ifdef LINEAR_NORMS_TRANSPOSE
+      // Each row is read W positions at a time, past OW into the next row (masked to zero),
+      // element by element where that would read past the group's g.
+      using LaneIndex = std::conditional_t<sizeof(F) == 4, int32_t, int64_t>;
+      typename VecOf<F>::index lane;
+      for (int k = 0; k < W; ++k) lane[k] = k;
+      const int64_t offset = oy * OW + ox0;
+      for (int64_t j0 = 0; j0 < p; j0 += W) {
+        Vec<F> v[W];
+        for (int r = 0; r < W; ++r) {
+          const int64_t j = j0 + r;
+          v[r] = Vec<F>{};
+          if (j >= p || valid == 0) continue;
+          const F* src = g + j * T + offset;
+          if (j * T + offset + W <= p * T)
+            v[r] = load(src);
+          else
+            for (int64_t k = 0; k < valid; ++k) v[r][k] = src[k];
+          if (valid < W) v[r] = lane < static_cast<LaneIndex>(valid) ? v[r] : Vec<F>{};
+        }
+        transpose_block<F>(v);
+        for (int64_t ox = 0; ox < width; ++ox) store(dst + ox * p_pad + j0, v[ox]);
+      }
+#else
+      for (int64_t j = 0; j < p; ++j) {
+        const F* src = g + j * T + oy * OW + ox0;
+        for (int64_t ox = 0; ox < valid; ++ox) dst[ox * p_pad + j] = src[ox];
+      }
+      for (int64_t ox = valid; ox < width; ++ox) std::fill(dst + ox * p_pad, dst + ox * p_pad + p, F(0));
+#endif
+    }
+}
+
+// One (sample, group)'s operands in the wide layout: the patches `cols` (d, T wide) from the
+// phase images, g as (p, T wide) rows (ghost) or (T wide, p_pad) rows (direct) in `gw`, zero
+// past OW; and the per-sample bias gradients (sums of g's rows) where `bias` is not null.
+template <typename F>
+__attribute__((always_inline)) inline void wide_operands(const F* x, const F* g, const Conv2dGeometry& c,
+                                                         int64_t cin, int64_t p, int64_t p_pad, bool ghost,
+                                                         const WideLayout& w, F* phases, F* cols, F* gw, F* bias) {
+  const int64_t OW = c.out_width, T = c.out_height * OW;
+  phase_images(x, c, cin, w, phases);
+  wide_patches(phases, c, cin, w, cols);
+  if (bias)
+    for (int64_t j = 0; j < p; ++j) bias[j] = static_cast<F>(row_sum(g + j * T, T));
+  if (!ghost) return wide_g_transposed(g, c, p, p_pad, w, gw);
+  for (int64_t j = 0; j < p; ++j)
+    for (int64_t oy = 0; oy < c.out_height; ++oy) {
+      F* dst = gw + j * w.T + oy * w.V;
+      copy_row(g + j * T + oy * OW, OW, dst);
+      std::fill(dst + OW, dst + w.V, F(0));
+    }
+}
+
+FASTDP_MULTIVERSION void wide_operands_isa(const float* x, const float* g, const Conv2dGeometry& c, int64_t cin,
+                                           int64_t p, int64_t p_pad, bool ghost, const WideLayout& w, float* phases,
+                                           float* cols, float* gw, float* bias) {
+  wide_operands(x, g, c, cin, p, p_pad, ghost, w, phases, cols, gw, bias);
+}
+
+FASTDP_MULTIVERSION void wide_operands_isa(const double* x, const double* g, const Conv2dGeometry& c, int64_t cin,
+                                           int64_t p, int64_t p_pad, bool ghost, const WideLayout& w, double* phases,
+                                           double* cols, double* gw, double* bias) {
+  wide_operands(x, g, c, cin, p, p_pad, ghost, w, phases, cols, gw, bias);
 }
 
 // Writes a direct tile (entry (j, k) of a^T g at tile[((j / MR) * col_blocks + k / W) * MR + j % MR]
@@ -471,24 +578,12 @@ void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& c, bool ghost
 #pragma omp for schedule(dynamic)
     for (int64_t item = 0; item < c.batch * groups; ++item) {
       const int64_t i = item / groups, grp = item % groups;
-      phase_images(x + (i * c.channels + grp * cin) * c.height * c.width, c, cin, wide, phases.get());
-      wide_patches(phases.get(), c, cin, wide, cols.get());
       const F* gi = g + (i * c.out_channels + grp * p) * T;  // (p, OH * OW)
-      if (bias_grads)
-        for (int64_t j = 0; j < p; ++j) {
-          double sum = 0.0;
-          for (int64_t t = 0; t < T; ++t) sum += gi[j * T + t];
-          bias_grads[i * c.out_channels + grp * p + j] = static_cast<F>(sum);
-        }
       F* gwi = gw.get();
+      wide_operands_isa(x + (i * c.channels + grp * cin) * c.height * c.width, gi, c, cin, p, p_pad, ghost, wide,
+                        phases.get(), cols.get(), gwi, bias_grads ? bias_grads + i * c.out_channels + grp * p : nullptr);
       double total = 0.0;
-      if (ghost) {  // g as (p, T) wide rows, zero past OW
-        for (int64_t j = 0; j < p; ++j)
-          for (int64_t oy = 0; oy < c.out_height; ++oy) {
-            F* dst = gwi + j * wide.T + oy * wide.V;
-            std::copy(gi + j * T + oy * OW, gi + j * T + (oy + 1) * OW, dst);
-            std::fill(dst + OW, dst + wide.V, F(0));
-          }
+      if (ghost) {  // g as (p, T) wide rows
         for (int64_t t0 = 0; t0 < wide.T; t0 += TB) {
           const int64_t t1 = std::min(wide.T, t0 + TB);
           total += ghost_tile_isa(cols.get(), 1, wide.T, d, gwi, 1, wide.T, p, wide.T, t0, t1, pa.get(), pg.get(),
@@ -496,20 +591,7 @@ void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& c, bool ghost
         }
       } else {
         // ||g_i^T a_i||^2 = ||a_i^T g_i||^2: tiles over (d, p) with vectors along p, read from g
-        // transposed to (T, p_pad) wide rows (zero past OW); the patch rows are broadcast.
-        // Transposed in blocks of W positions, so that the reads of each channel stay
-        // contiguous and the W rows written stay in L1.
-        for (int64_t oy = 0; oy < c.out_height; ++oy)
-          for (int64_t ox0 = 0; ox0 < wide.V; ox0 += W) {
-            const int64_t width = std::min<int64_t>(W, wide.V - ox0);
-            const int64_t valid = std::clamp<int64_t>(OW - ox0, 0, width);
-            F* dst = gwi + (oy * wide.V + ox0) * p_pad;
-            for (int64_t j = 0; j < p; ++j) {
-              const F* src = gi + j * T + oy * OW + ox0;
-              for (int64_t ox = 0; ox < valid; ++ox) dst[ox * p_pad + j] = src[ox];
-            }
-            for (int64_t ox = valid; ox < width; ++ox) std::fill(dst + ox * p_pad, dst + ox * p_pad + p, F(0));
-          }
+        // transposed to (T, p_pad) wide rows; the patch rows are broadcast.
         for (int64_t j0 = 0; j0 < d; j0 += TB)
           for (int64_t k0 = 0; k0 < p; k0 += TB) {
             const int64_t j1 = std::min(d, j0 + TB), k1 = std::min(p, k0 + TB);
