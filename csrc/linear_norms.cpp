@@ -423,15 +423,6 @@ __attribute__((always_inline)) inline void phase_images(const F* x, const Conv2d
   std::fill(out + w.images * w.U * w.V, out + w.phase_elements(), F(0));
 }
 
-// dst[0, n) = src[0, n) in whole vectors and a scalar tail (no library call for short rows).
-template <typename F>
-__attribute__((always_inline)) inline void copy_row(const F* src, int64_t n, F* dst) {
-  constexpr int W = kLanes<F>;
-  int64_t t = 0;
-  for (; t + W <= n; t += W) store(dst + t, Vec<F>(load(src + t)));
-  for (; t < n; ++t) dst[t] = src[t];
-}
-
 // Patches as a (d, T) matrix in the wide layout: row (ch * KH + ki) * KW + kj is one copy of
 // T consecutive phase-buffer elements.
 template <typename F>
@@ -443,7 +434,7 @@ __attribute__((always_inline)) inline void wide_patches(const F* phases, const C
         const int64_t dy = ki * c.dilation_h, dx = kj * c.dilation_w;
         const int64_t image = ((dy % c.stride_h) * c.stride_w + dx % c.stride_w) * channels + ch;
         const F* src = phases + (image * w.U + dy / c.stride_h) * w.V + dx / c.stride_w;
-        copy_row(src, w.T, cols + ((ch * c.kernel_h + ki) * c.kernel_w + kj) * w.T);
+        std::copy(src, src + w.T, cols + ((ch * c.kernel_h + ki) * c.kernel_w + kj) * w.T);
       }
 }
 
@@ -523,7 +514,7 @@ __attribute__((always_inline)) inline void wide_operands(const F* x, const F* g,
   for (int64_t j = 0; j < p; ++j)
     for (int64_t oy = 0; oy < c.out_height; ++oy) {
       F* dst = gw + j * w.T + oy * w.V;
-      copy_row(g + j * T + oy * OW, OW, dst);
+      std::copy(g + j * T + oy * OW, g + j * T + (oy + 1) * OW, dst);
       std::fill(dst + OW, dst + w.V, F(0));
     }
 }
