@@ -252,10 +252,11 @@ FASTDP_MULTIVERSION double ghost_tile_isa(const double* a, int64_t sat, int64_t 
 // Direct work item: the (j0..j1) x (k0..k1) tile of g^T a for one sample, accumulated over T
 // in chunks of TC rows, then square-summed. Vectors of a are read in place when its rows are
 // contiguous and the block is whole, else packed into pa (2 x TC x W, zero past k1); scalars of g
-// are read in place, rows past j1 repeat row j1 - 1 and are left out of the sum.
+// are read in place, row j from g_rows[j - j0] at steps of sgt (rows need not be evenly
+// spaced); rows past j1 repeat row j1 - 1 and are left out of the sum.
 template <typename F>
-__attribute__((always_inline)) inline double direct_tile(const F* a, int64_t sat, int64_t sad, const F* g,
-                                                         int64_t sgt, int64_t sgp, int64_t seq, int64_t j0,
+__attribute__((always_inline)) inline double direct_tile(const F* a, int64_t sat, int64_t sad,
+                                                         const F* const* g_rows, int64_t sgt, int64_t seq, int64_t j0,
                                                          int64_t j1, int64_t k0, int64_t k1, F* pa,
                                                          Vec<F>* tile) {
   constexpr int W = kLanes<F>;
@@ -284,7 +285,7 @@ __attribute__((always_inline)) inline double direct_tile(const F* a, int64_t sat
       const F* panel1 = pair ? panel_of(c + 1, 1, pstep1) : nullptr;
       for (int64_t b = 0; b < row_blocks; ++b) {
         const F* rows[MR];
-        for (int r = 0; r < MR; ++r) rows[r] = g + t0 * sgt + std::min(j0 + b * MR + r, j1 - 1) * sgp;
+        for (int r = 0; r < MR; ++r) rows[r] = g_rows[std::min(b * MR + r, j1 - j0 - 1)] + t0 * sgt;
         Vec<F>* acc = tile + (b * col_blocks + c) * MR;
         if (pair)
           micro_kernel2(rows, sgt, panel0, pstep0, panel1, pstep1, n, acc, acc + MR);
@@ -302,16 +303,16 @@ __attribute__((always_inline)) inline double direct_tile(const F* a, int64_t sat
   return lane_sum<F>(sum);
 }
 
-FASTDP_MULTIVERSION double direct_tile_isa(const float* a, int64_t sat, int64_t sad, const float* g, int64_t sgt,
-                                           int64_t sgp, int64_t seq, int64_t j0, int64_t j1, int64_t k0, int64_t k1,
+FASTDP_MULTIVERSION double direct_tile_isa(const float* a, int64_t sat, int64_t sad, const float* const* g_rows,
+                                           int64_t sgt, int64_t seq, int64_t j0, int64_t j1, int64_t k0, int64_t k1,
                                            float* pa, Vec<float>* tile) {
-  return direct_tile(a, sat, sad, g, sgt, sgp, seq, j0, j1, k0, k1, pa, tile);
+  return direct_tile(a, sat, sad, g_rows, sgt, seq, j0, j1, k0, k1, pa, tile);
 }
 
-FASTDP_MULTIVERSION double direct_tile_isa(const double* a, int64_t sat, int64_t sad, const double* g,
-                                           int64_t sgt, int64_t sgp, int64_t seq, int64_t j0, int64_t j1, int64_t k0,
-                                           int64_t k1, double* pa, Vec<double>* tile) {
-  return direct_tile(a, sat, sad, g, sgt, sgp, seq, j0, j1, k0, k1, pa, tile);
+FASTDP_MULTIVERSION double direct_tile_isa(const double* a, int64_t sat, int64_t sad, const double* const* g_rows,
+                                           int64_t sgt, int64_t seq, int64_t j0, int64_t j1, int64_t k0, int64_t k1,
+                                           double* pa, Vec<double>* tile) {
+  return direct_tile(a, sat, sad, g_rows, sgt, seq, j0, j1, k0, k1, pa, tile);
 }
 
 // out[i] = sum of partial[i * per_sample ...] in order (deterministic for any thread count).
@@ -361,7 +362,9 @@ void linear_sq_norms_direct(const Strided3<F>& a, const Strided3<F>& g, double* 
       const int64_t j1 = std::min(g.dim, j0 + TB), k1 = std::min(a.dim, k0 + TB);
       const F* ai = a.data + i * a.sb;
       const F* gi = g.data + i * g.sb;
-      partial[item] = direct_tile_isa(ai, a.st, a.sk, gi, g.st, g.sk, seq, j0, j1, k0, k1, pa.get(), tile.get());
+      const F* g_rows[TB];
+      for (int64_t j = j0; j < j1; ++j) g_rows[j - j0] = gi + j * g.sk;
+      partial[item] = direct_tile_isa(ai, a.st, a.sk, g_rows, g.st, seq, j0, j1, k0, k1, pa.get(), tile.get());
     }
   }
   sum_partials(partial, batch, tiles, out);
@@ -423,19 +426,14 @@ __attribute__((always_inline)) inline void phase_images(const F* x, const Conv2d
   std::fill(out + w.images * w.U * w.V, out + w.phase_elements(), F(0));
 }
 
-// Patches as a (d, T) matrix in the wide layout: row (ch * KH + ki) * KW + kj is one copy of
-// T consecutive phase-buffer elements.
-template <typename F>
-__attribute__((always_inline)) inline void wide_patches(const F* phases, const Conv2dGeometry& c, int64_t channels,
-                                                        const WideLayout& w, F* cols) {
-  for (int64_t ch = 0; ch < channels; ++ch)
-    for (int64_t ki = 0; ki < c.kernel_h; ++ki)
-      for (int64_t kj = 0; kj < c.kernel_w; ++kj) {
-        const int64_t dy = ki * c.dilation_h, dx = kj * c.dilation_w;
-        const int64_t image = ((dy % c.stride_h) * c.stride_w + dx % c.stride_w) * channels + ch;
-        const F* src = phases + (image * w.U + dy / c.stride_h) * w.V + dx / c.stride_w;
-        std::copy(src, src + w.T, cols + ((ch * c.kernel_h + ki) * c.kernel_w + kj) * w.T);
-      }
+// Patch row (ch * KH + ki) * KW + kj in the wide layout is the T consecutive phase-buffer
+// elements from this offset: the direct route reads the rows there, the ghost route copies
+// them into a (d, T) matrix.
+inline int64_t patch_row_offset(const Conv2dGeometry& c, int64_t channels, const WideLayout& w, int64_t row) {
+  const int64_t ch = row / (c.kernel_h * c.kernel_w), ki = row / c.kernel_w % c.kernel_h, kj = row % c.kernel_w;
+  const int64_t dy = ki * c.dilation_h, dx = kj * c.dilation_w;
+  const int64_t image = ((dy % c.stride_h) * c.stride_w + dx % c.stride_w) * channels + ch;
+  return (image * w.U + dy / c.stride_h) * w.V + dx / c.stride_w;
 }
 
 // sum(x[0, n)) in float64, in 16 interleaved partial sums (vectorisable, no serial chain).
@@ -498,19 +496,22 @@ __attribute__((always_inline)) inline void wide_g_transposed(const F* g, const C
     }
 }
 
-// One (sample, group)'s operands in the wide layout: the patches `cols` (d, T wide) from the
-// phase images, g as (p, T wide) rows (ghost) or (T wide, p_pad) rows (direct) in `gw`, zero
-// past OW; and the per-sample bias gradients (sums of g's rows) where `bias` is not null.
+// One (sample, group)'s operands in the wide layout: the phase images; for the ghost route the
+// patches `cols` (d, T wide) and g as (p, T wide) rows, for the direct route g as (T wide,
+// p_pad) rows, in `gw`, zero past OW; and the per-sample bias gradients (sums of g's rows)
+// where `bias` is not null.
 template <typename F>
 __attribute__((always_inline)) inline void wide_operands(const F* x, const F* g, const Conv2dGeometry& c,
                                                          int64_t cin, int64_t p, int64_t p_pad, bool ghost,
-                                                         const WideLayout& w, F* phases, F* cols, F* gw, F* bias) {
+                                                         const WideLayout& w, const F* const* patch_rows, F* phases,
+                                                         F* cols, F* gw, F* bias) {
   const int64_t OW = c.out_width, T = c.out_height * OW;
   phase_images(x, c, cin, w, phases);
-  wide_patches(phases, c, cin, w, cols);
   if (bias)
     for (int64_t j = 0; j < p; ++j) bias[j] = static_cast<F>(row_sum(g + j * T, T));
   if (!ghost) return wide_g_transposed(g, c, p, p_pad, w, gw);
+  for (int64_t row = 0; row < cin * c.kernel_h * c.kernel_w; ++row)
+    std::copy(patch_rows[row], patch_rows[row] + w.T, cols + row * w.T);
   for (int64_t j = 0; j < p; ++j)
     for (int64_t oy = 0; oy < c.out_height; ++oy) {
       F* dst = gw + j * w.T + oy * w.V;
@@ -520,15 +521,15 @@ __attribute__((always_inline)) inline void wide_operands(const F* x, const F* g,
 }
 
 FASTDP_MULTIVERSION void wide_operands_isa(const float* x, const float* g, const Conv2dGeometry& c, int64_t cin,
-                                           int64_t p, int64_t p_pad, bool ghost, const WideLayout& w, float* phases,
-                                           float* cols, float* gw, float* bias) {
-  wide_operands(x, g, c, cin, p, p_pad, ghost, w, phases, cols, gw, bias);
+                                           int64_t p, int64_t p_pad, bool ghost, const WideLayout& w,
+                                           const float* const* patch_rows, float* phases, float* cols, float* gw, float* bias) {
+  wide_operands(x, g, c, cin, p, p_pad, ghost, w, patch_rows, phases, cols, gw, bias);
 }
 
 FASTDP_MULTIVERSION void wide_operands_isa(const double* x, const double* g, const Conv2dGeometry& c, int64_t cin,
-                                           int64_t p, int64_t p_pad, bool ghost, const WideLayout& w, double* phases,
-                                           double* cols, double* gw, double* bias) {
-  wide_operands(x, g, c, cin, p, p_pad, ghost, w, phases, cols, gw, bias);
+                                           int64_t p, int64_t p_pad, bool ghost, const WideLayout& w,
+                                           const double* const* patch_rows, double* phases, double* cols, double* gw, double* bias) {
+  wide_operands(x, g, c, cin, p, p_pad, ghost, w, patch_rows, phases, cols, gw, bias);
 }
 
 // Writes a direct tile (entry (j, k) of a^T g at tile[((j / MR) * col_blocks + k / W) * MR + j % MR]
@@ -563,8 +564,10 @@ void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& c, bool ghost
   std::vector<double> partial(c.batch * groups);
 #pragma omp parallel
   {
-    Scratch<F> phases(wide.phase_elements()), cols(d * wide.T), gw(wide.T * p_pad), pa(TB * std::max(d, TC)),
-        pg(TB * p);
+    Scratch<F> phases(wide.phase_elements()), cols(ghost ? d * wide.T : 0), gw(wide.T * p_pad),
+        pa(TB * std::max(d, TC)), pg(TB * p);
+    std::vector<const F*> patch_rows(d);  // the patch rows, in place in `phases`
+    for (int64_t row = 0; row < d; ++row) patch_rows[row] = phases.get() + patch_row_offset(c, cin, wide, row);
     Scratch<Vec<F>> ga(TB * TB / W), gg(TB * TB / W);
 #pragma omp for schedule(dynamic)
     for (int64_t item = 0; item < c.batch * groups; ++item) {
@@ -572,7 +575,8 @@ void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& c, bool ghost
       const F* gi = g + (i * c.out_channels + grp * p) * T;  // (p, OH * OW)
       F* gwi = gw.get();
       wide_operands_isa(x + (i * c.channels + grp * cin) * c.height * c.width, gi, c, cin, p, p_pad, ghost, wide,
-                        phases.get(), cols.get(), gwi, bias_grads ? bias_grads + i * c.out_channels + grp * p : nullptr);
+                        patch_rows.data(), phases.get(), cols.get(), gwi,
+                        bias_grads ? bias_grads + i * c.out_channels + grp * p : nullptr);
       double total = 0.0;
       if (ghost) {  // g as (p, T) wide rows
         for (int64_t t0 = 0; t0 < wide.T; t0 += TB) {
@@ -582,11 +586,12 @@ void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& c, bool ghost
         }
       } else {
         // ||g_i^T a_i||^2 = ||a_i^T g_i||^2: tiles over (d, p) with vectors along p, read from g
-        // transposed to (T, p_pad) wide rows; the patch rows are broadcast.
+        // transposed to (T, p_pad) wide rows; the patch rows are broadcast, read in place from the phase images.
         for (int64_t j0 = 0; j0 < d; j0 += TB)
           for (int64_t k0 = 0; k0 < p; k0 += TB) {
             const int64_t j1 = std::min(d, j0 + TB), k1 = std::min(p, k0 + TB);
-            total += direct_tile_isa(gwi, p_pad, 1, cols.get(), 1, wide.T, wide.T, j0, j1, k0, k1, pa.get(), ga.get());
+            total += direct_tile_isa(gwi, p_pad, 1, patch_rows.data() + j0, 1, wide.T, j0, j1, k0, k1, pa.get(),
+                                     ga.get());
             if (grads) store_direct_tile(ga.get(), j0, j1, k0, k1, p, grads + (i * c.out_channels + grp * p) * d);
           }
       }
