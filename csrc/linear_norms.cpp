@@ -381,7 +381,7 @@ namespace {
 // running over the whole width V of the stride-phase images below, so that every patch
 // element is a shift of one flat buffer. Positions with ox >= OW are padding: their output
 // gradient is set to zero, so they add nothing (about V / OW times the work of a compact
-// layout, traded for copies of whole rows instead of per-element gathers).
+// layout, traded for whole rows read in place or copied instead of per-element gathers).
 struct WideLayout {
   int64_t U, V;      // rows and columns of one phase image: ceil((H + 2 ph) / sh), ceil((W + 2 pw) / sw)
   int64_t T;         // OH * V wide positions
@@ -522,13 +522,15 @@ __attribute__((always_inline)) inline void wide_operands(const F* x, const F* g,
 
 FASTDP_MULTIVERSION void wide_operands_isa(const float* x, const float* g, const Conv2dGeometry& c, int64_t cin,
                                            int64_t p, int64_t p_pad, bool ghost, const WideLayout& w,
-                                           const float* const* patch_rows, float* phases, float* cols, float* gw, float* bias) {
+                                           const float* const* patch_rows, float* phases, float* cols, float* gw,
+                                           float* bias) {
   wide_operands(x, g, c, cin, p, p_pad, ghost, w, patch_rows, phases, cols, gw, bias);
 }
 
 FASTDP_MULTIVERSION void wide_operands_isa(const double* x, const double* g, const Conv2dGeometry& c, int64_t cin,
                                            int64_t p, int64_t p_pad, bool ghost, const WideLayout& w,
-                                           const double* const* patch_rows, double* phases, double* cols, double* gw, double* bias) {
+                                           const double* const* patch_rows, double* phases, double* cols, double* gw,
+                                           double* bias) {
   wide_operands(x, g, c, cin, p, p_pad, ghost, w, patch_rows, phases, cols, gw, bias);
 }
 
@@ -586,7 +588,8 @@ void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& c, bool ghost
         }
       } else {
         // ||g_i^T a_i||^2 = ||a_i^T g_i||^2: tiles over (d, p) with vectors along p, read from g
-        // transposed to (T, p_pad) wide rows; the patch rows are broadcast, read in place from the phase images.
+        // transposed to (T, p_pad) wide rows; the patch rows, broadcast, are read in place from
+        // the phase images.
         for (int64_t j0 = 0; j0 < d; j0 += TB)
           for (int64_t k0 = 0; k0 < p; k0 += TB) {
             const int64_t j1 = std::min(d, j0 + TB), k1 = std::min(p, k0 + TB);

@@ -36,9 +36,10 @@ struct Conv2dGeometry {
 };
 
 // out[i] = squared norm of sample i's weight gradient, summed over groups. Per (sample, group)
-// the patches are unfolded into per-thread scratch (d x T, d = C / groups * kernel area,
-// T = OH * OW: never the whole batch's) and reduced with the ghost (Gram tiles) or the
-// direct (tiles of g_i^T a_i) route of the linear kernels. The direct route also writes each
+// the zero-padded input is split by stride phase into per-thread scratch (never the whole
+// batch's), from which every patch row is a contiguous run; the ghost route (Gram tiles)
+// copies the rows into a (d x T) patch matrix, d = C / groups * kernel area, T = OH * OW
+// (about), the direct route (tiles of g_i^T a_i) reads them in place. The direct route also writes each
 // sample's weight gradient to `grads` unless it is null, each group's transposed: (B, groups,
 // C_in / groups * KH * KW, C_out / groups), so that the kernel's tiles are stored as whole vectors.
 // Either route also writes each sample's bias gradient (the sum of g over positions, in

@@ -122,16 +122,18 @@ def linear_sq_norms_direct(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return out
 
 
-# Largest per-thread unfolded sample (d x T elements) the fused convolution kernel takes;
-# beyond it (large images) the rule's composed routes run.
+# Largest unfolded sample (d x T elements, what the ghost route copies into per-thread
+# scratch) the fused convolution kernel takes; beyond it (large images) the rule's composed
+# routes run.
 CONV_MAX_UNFOLDED = 1 << 22
 
 
 @ops.register("conv_sq_norms", "native", "cpu")
 def conv_sq_norms(x: torch.Tensor, g: torch.Tensor, spec, ghost: bool, keep_grads: bool = False,
                   bias_grads: bool = False):
-    """1-D and 2-D convolutions: each sample's patches are unfolded into per-thread scratch
-    and reduced by the ghost or direct tiles, so the batch's unfolded input is never stored;
+    """1-D and 2-D convolutions: each sample's input is split by stride phase into per-thread
+    scratch, whose patch rows the ghost tiles copy and the direct tiles read in place, so the
+    batch's unfolded input is never stored;
     the direct route writes the per-sample gradients only when ``keep_grads``, either route
     the bias's when ``bias_grads`` (from the same read of g). ``None`` (composed routes) for
     3-D convolutions."""
