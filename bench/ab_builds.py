@@ -107,12 +107,16 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     keep_freed_memory()
+    configs = args.configs.split(",")
+    unknown = [c for c in configs if c not in bench.CONFIGS]
+    if unknown:
+        parser.error(f"unknown config(s) {unknown}; choose from {list(bench.CONFIGS)}")
     builds = load_builds(args.old, args.new)
     print(f"torch {torch.__version__}, {args.threads} threads")
     if args.conv_calls:
         conv_table(builds, args.rounds)
     else:
-        step_table(builds, [c for c in args.configs.split(",") if c in bench.CONFIGS], args.rounds)
+        step_table(builds, configs, args.rounds)
 
 
 if __name__ == "__main__":
