@@ -395,6 +395,29 @@ struct WideLayout {
   int64_t phase_elements() const { return images * U * V + V; }
 };
 
+// Visits the rows of the stride-phase images of one sample's group (see phase_images) with
+// where they come from in x: fn(image_row, x_row, v_lo, v_hi, shift), offsets in elements;
+// columns [v_lo, v_hi) of image row image_row hold x[x_row + v * sw + shift], the others are
+// zero padding, and x_row < 0 marks a row wholly outside x.
+template <typename Fn>
+__attribute__((always_inline)) inline void for_each_phase_row(const Conv2dGeometry& c, int64_t channels,
+                                                              const WideLayout& w, Fn&& fn) {
+  for (int64_t phy = 0; phy < c.stride_h; ++phy)
+    for (int64_t phx = 0; phx < c.stride_w; ++phx) {
+      const int64_t shift = phx - c.pad_w;  // ix = v * sw + shift
+      const int64_t v_lo = std::min(w.V, shift >= 0 ? 0 : (-shift + c.stride_w - 1) / c.stride_w);
+      const int64_t v_hi = std::max(v_lo, std::min(w.V, (c.width - shift + c.stride_w - 1) / c.stride_w));
+      for (int64_t ch = 0; ch < channels; ++ch) {
+        const int64_t image = ((phy * c.stride_w + phx) * channels + ch) * w.U * w.V;
+        for (int64_t u = 0; u < w.U; ++u) {
+          const int64_t iy = u * c.stride_h + phy - c.pad_h;
+          const bool inside = iy >= 0 && iy < c.height;
+          fn(image + u * w.V, inside ? (ch * c.height + iy) * c.width : -1, v_lo, v_hi, shift);
+        }
+      }
+    }
+}
+
 // The zero-padded input of one sample's group split by stride phase: image (phy * sw + phx)
 // * channels + ch holds x[ch, u * sh + phy - ph, v * sw + phx - pw] at [u, v] (0 outside x).
 // Tap (ki, kj) of output (oy, ox) then sits in image (ki dh % sh, kj dw % sw) at
@@ -402,38 +425,46 @@ struct WideLayout {
 template <typename F>
 __attribute__((always_inline)) inline void phase_images(const F* x, const Conv2dGeometry& c, int64_t channels,
                                                         const WideLayout& w, F* out) {
-  for (int64_t phy = 0; phy < c.stride_h; ++phy)
-    for (int64_t phx = 0; phx < c.stride_w; ++phx) {
-      const int64_t shift = phx - c.pad_w;  // ix = v * sw + shift
-      const int64_t v_lo = std::min(w.V, shift >= 0 ? 0 : (-shift + c.stride_w - 1) / c.stride_w);
-      const int64_t v_hi = std::max(v_lo, std::min(w.V, (c.width - shift + c.stride_w - 1) / c.stride_w));
-      for (int64_t ch = 0; ch < channels; ++ch) {
-        F* img = out + ((phy * c.stride_w + phx) * channels + ch) * w.U * w.V;
-        for (int64_t u = 0; u < w.U; ++u) {
-          F* dst = img + u * w.V;
-          const int64_t iy = u * c.stride_h + phy - c.pad_h;
-          if (iy < 0 || iy >= c.height) {
-            std::fill(dst, dst + w.V, F(0));
-            continue;
-          }
-          const F* src = x + (ch * c.height + iy) * c.width;
-          std::fill(dst, dst + v_lo, F(0));
-          for (int64_t v = v_lo; v < v_hi; ++v) dst[v] = src[v * c.stride_w + shift];
-          std::fill(dst + v_hi, dst + w.V, F(0));
-        }
-      }
-    }
+  const int64_t sw = c.stride_w;
+  for_each_phase_row(c, channels, w, [&](int64_t image_row, int64_t x_row, int64_t v_lo, int64_t v_hi, int64_t shift) {
+    F* dst = out + image_row;
+    if (x_row < 0) return std::fill(dst, dst + w.V, F(0));
+    std::fill(dst, dst + v_lo, F(0));
+    for (int64_t v = v_lo; v < v_hi; ++v) dst[v] = x[x_row + v * sw + shift];
+    std::fill(dst + v_hi, dst + w.V, F(0));
+  });
   std::fill(out + w.images * w.U * w.V, out + w.phase_elements(), F(0));
 }
 
-// Patch row (ch * KH + ki) * KW + kj in the wide layout is the T consecutive phase-buffer
-// elements from this offset: the direct route reads the rows there, the ghost route copies
-// them into a (d, T) matrix.
-inline int64_t patch_row_offset(const Conv2dGeometry& c, int64_t channels, const WideLayout& w, int64_t row) {
+// The inverse of phase_images: every element of x (one sample's group) read back from the
+// phase images `in`; the padding is dropped.
+template <typename F>
+__attribute__((always_inline)) inline void unphase_images(const F* in, const Conv2dGeometry& c, int64_t channels,
+                                                          const WideLayout& w, F* x) {
+  const int64_t sw = c.stride_w;
+  for_each_phase_row(c, channels, w, [&](int64_t image_row, int64_t x_row, int64_t v_lo, int64_t v_hi, int64_t shift) {
+    if (x_row < 0) return;
+    for (int64_t v = v_lo; v < v_hi; ++v) x[x_row + v * sw + shift] = in[image_row + v];
+  });
+}
+
+// Patch row (ch * KH + ki) * KW + kj in the wide layout is the T consecutive elements of its
+// phase image from `shift` on (patch_row_offset: in the whole phase buffer): the direct route
+// reads the rows there, the ghost route copies them into a (d, T) matrix.
+struct PatchTap {
+  int64_t image, shift;
+};
+
+inline PatchTap patch_tap(const Conv2dGeometry& c, int64_t channels, const WideLayout& w, int64_t row) {
   const int64_t ch = row / (c.kernel_h * c.kernel_w), ki = row / c.kernel_w % c.kernel_h, kj = row % c.kernel_w;
   const int64_t dy = ki * c.dilation_h, dx = kj * c.dilation_w;
-  const int64_t image = ((dy % c.stride_h) * c.stride_w + dx % c.stride_w) * channels + ch;
-  return (image * w.U + dy / c.stride_h) * w.V + dx / c.stride_w;
+  return {((dy % c.stride_h) * c.stride_w + dx % c.stride_w) * channels + ch,
+          dy / c.stride_h * w.V + dx / c.stride_w};
+}
+
+inline int64_t patch_row_offset(const Conv2dGeometry& c, int64_t channels, const WideLayout& w, int64_t row) {
+  const PatchTap tap = patch_tap(c, channels, w, row);
+  return tap.image * w.U * w.V + tap.shift;
 }
 
 // sum(x[0, n)) in float64, in 16 interleaved partial sums (vectorisable, no serial chain).
@@ -496,6 +527,22 @@ __attribute__((always_inline)) inline void wide_g_transposed(const F* g, const C
     }
 }
 
+// g of one sample's group, (p, OH * OW), as (p, T wide) rows at steps of `row_step` >= T wide,
+// zero past OW and past T wide.
+template <typename F>
+__attribute__((always_inline)) inline void wide_g_rows(const F* g, const Conv2dGeometry& c, int64_t p,
+                                                       const WideLayout& w, int64_t row_step, F* out) {
+  const int64_t OW = c.out_width, T = c.out_height * OW;
+  for (int64_t j = 0; j < p; ++j) {
+    F* dst = out + j * row_step;
+    for (int64_t oy = 0; oy < c.out_height; ++oy) {
+      std::copy(g + j * T + oy * OW, g + j * T + (oy + 1) * OW, dst + oy * w.V);
+      std::fill(dst + oy * w.V + OW, dst + (oy + 1) * w.V, F(0));
+    }
+    std::fill(dst + w.T, dst + row_step, F(0));
+  }
+}
+
 // One (sample, group)'s operands in the wide layout: the phase images; for the ghost route the
 // patches `cols` (d, T wide) and g as (p, T wide) rows, for the direct route g as (T wide,
 // p_pad) rows, in `gw`, zero past OW; and the per-sample bias gradients (sums of g's rows)
@@ -512,12 +559,7 @@ __attribute__((always_inline)) inline void wide_operands(const F* x, const F* g,
   if (!ghost) return wide_g_transposed(g, c, p, p_pad, w, gw);
   for (int64_t row = 0; row < cin * c.kernel_h * c.kernel_w; ++row)
     std::copy(patch_rows[row], patch_rows[row] + w.T, cols + row * w.T);
-  for (int64_t j = 0; j < p; ++j)
-    for (int64_t oy = 0; oy < c.out_height; ++oy) {
-      F* dst = gw + j * w.T + oy * w.V;
-      std::copy(g + j * T + oy * OW, g + j * T + (oy + 1) * OW, dst);
-      std::fill(dst + OW, dst + w.V, F(0));
-    }
+  wide_g_rows(g, c, p, w, w.T, gw);
 }
 
 FASTDP_MULTIVERSION void wide_operands_isa(const float* x, const float* g, const Conv2dGeometry& c, int64_t cin,
@@ -532,6 +574,96 @@ FASTDP_MULTIVERSION void wide_operands_isa(const double* x, const double* g, con
                                            const double* const* patch_rows, double* phases, double* cols, double* gw,
                                            double* bias) {
   wide_operands(x, g, c, cin, p, p_pad, ghost, w, patch_rows, phases, cols, gw, bias);
+}
+
+// How the input gradient of one (sample, group) is laid out. The patch-row gradients dcols =
+// W^T g (d, T wide) are written one row per `row_step`, after `lead` zeros and followed by
+// zeros; then each phase image of dx sums, one vector at a time, the rows whose taps land in it
+// (rows[first[m] .. first[m + 1]) for image m), each shifted by its tap's offset. Reads at
+// shifted offsets replace scattered adds: overlapping unaligned read-modify-writes of
+// neighbouring taps would stall on store forwarding.
+struct InputGradPlan {
+  int64_t t_pad;     // T wide rounded up to whole vectors (g's rows are zero beyond T wide)
+  int64_t lead;      // the largest shift of a tap within its image
+  int64_t row_step;  // of dcols: lead + max(t_pad, U V rounded up to whole vectors)
+  std::vector<int64_t> first, rows, shifts;
+  InputGradPlan(const Conv2dGeometry& c, int64_t channels, const WideLayout& w, int64_t lanes)
+      : first(w.images + 1, 0) {
+    const int64_t d = channels * c.kernel_h * c.kernel_w, image_size = w.U * w.V;
+    t_pad = (w.T + lanes - 1) / lanes * lanes;
+    std::vector<PatchTap> taps(d);
+    lead = 0;
+    for (int64_t row = 0; row < d; ++row) {
+      taps[row] = patch_tap(c, channels, w, row);
+      lead = std::max(lead, taps[row].shift);
+      ++first[taps[row].image + 1];
+    }
+    row_step = lead + std::max(t_pad, (image_size + lanes - 1) / lanes * lanes);
+    for (int64_t m = 0; m < w.images; ++m) first[m + 1] += first[m];
+    rows.resize(d);
+    shifts.resize(d);
+    std::vector<int64_t> next(first.begin(), first.end() - 1);
+    for (int64_t row = 0; row < d; ++row) {
+      rows[next[taps[row].image]] = row;
+      shifts[next[taps[row].image]++] = taps[row].shift;
+    }
+  }
+  // Elements of the per-thread scratch: g rows, dcols (zeroed once: only [lead, lead + t_pad)
+  // of each row is ever written) and the phase images of dx (one vector of slack: an image's
+  // last vector runs into the next image, which is written after it).
+  int64_t g_elements(int64_t p) const { return p * t_pad; }
+  int64_t cols_elements(int64_t d) const { return d * row_step; }
+  static int64_t image_elements(const WideLayout& w, int64_t lanes) { return w.images * w.U * w.V + lanes; }
+};
+
+// dx of one (sample, group), (cin, H, W), from its g and wt = the group's weight transposed
+// (d, p): dcols = wt g in MR x 2W register tiles, the phase images gathered from dcols, then
+// un-phased into dx.
+template <typename F>
+__attribute__((always_inline)) inline void input_grad(const F* g, const F* wt, const Conv2dGeometry& c,
+                                                      int64_t cin, int64_t p, const WideLayout& w,
+                                                      const InputGradPlan& plan, F* gin, F* dcols, F* images, F* dx) {
+  constexpr int W = kLanes<F>;
+  const int64_t d = cin * c.kernel_h * c.kernel_w, image_size = w.U * w.V, blocks = plan.t_pad / W;
+  wide_g_rows(g, c, p, w, plan.t_pad, gin);
+  for (int64_t cb = 0; cb < blocks; cb += 2) {
+    const bool pair = cb + 1 < blocks;
+    for (int64_t r0 = 0; r0 < d; r0 += MR) {
+      const F* rows[MR];
+      for (int r = 0; r < MR; ++r) rows[r] = wt + std::min<int64_t>(r0 + r, d - 1) * p;
+      Vec<F> acc0[MR], acc1[MR];
+      for (int r = 0; r < MR; ++r) acc0[r] = acc1[r] = Vec<F>{};
+      if (pair)
+        micro_kernel2(rows, 1, gin + cb * W, plan.t_pad, gin + (cb + 1) * W, plan.t_pad, p, acc0, acc1);
+      else
+        micro_kernel(rows, 1, gin + cb * W, plan.t_pad, p, acc0);
+      F* out = dcols + r0 * plan.row_step + plan.lead + cb * W;
+      for (int64_t r = 0; r < std::min<int64_t>(MR, d - r0); ++r) {
+        store(out + r * plan.row_step, acc0[r]);
+        if (pair) store(out + r * plan.row_step + W, acc1[r]);
+      }
+    }
+  }
+  for (int64_t m = 0; m < w.images; ++m)
+    for (int64_t pos = 0; pos < image_size; pos += W) {
+      Vec<F> sum = {};
+      for (int64_t k = plan.first[m]; k < plan.first[m + 1]; ++k)
+        sum += load(dcols + plan.rows[k] * plan.row_step + plan.lead + pos - plan.shifts[k]);
+      store(images + m * image_size + pos, sum);
+    }
+  unphase_images(images, c, cin, w, dx);
+}
+
+FASTDP_MULTIVERSION void input_grad_isa(const float* g, const float* wt, const Conv2dGeometry& c, int64_t cin,
+                                        int64_t p, const WideLayout& w, const InputGradPlan& plan, float* gin,
+                                        float* dcols, float* images, float* dx) {
+  input_grad(g, wt, c, cin, p, w, plan, gin, dcols, images, dx);
+}
+
+FASTDP_MULTIVERSION void input_grad_isa(const double* g, const double* wt, const Conv2dGeometry& c, int64_t cin,
+                                        int64_t p, const WideLayout& w, const InputGradPlan& plan, double* gin,
+                                        double* dcols, double* images, double* dx) {
+  input_grad(g, wt, c, cin, p, w, plan, gin, dcols, images, dx);
 }
 
 // Writes a direct tile (entry (j, k) of a^T g at tile[((j / MR) * col_blocks + k / W) * MR + j % MR]
@@ -557,17 +689,25 @@ void store_direct_tile(const Vec<F>* tile, int64_t j0, int64_t j1, int64_t k0, i
 
 template <typename F>
 void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& c, bool ghost, double* out, F* grads,
-                     F* bias_grads) {
+                     F* bias_grads, const F* weight, F* grad_input) {
   constexpr int W = kLanes<F>;
   const int64_t groups = c.groups, cin = c.channels / groups, p = c.out_channels / groups;
   const int64_t d = cin * c.kernel_h * c.kernel_w, OW = c.out_width, T = c.out_height * OW;
   const WideLayout wide(c, cin);
   const int64_t p_pad = (p + W - 1) / W * W;
   std::vector<double> partial(c.batch * groups);
+  const InputGradPlan plan(c, cin, wide, W);
+  std::vector<F> wt(grad_input ? groups * d * p : 0);  // each group's weight transposed, (d, p)
+  for (int64_t grp = 0; grp < groups && grad_input; ++grp)
+    for (int64_t j = 0; j < p; ++j)
+      for (int64_t row = 0; row < d; ++row) wt[(grp * d + row) * p + j] = weight[(grp * p + j) * d + row];
 #pragma omp parallel
   {
     Scratch<F> phases(wide.phase_elements()), cols(ghost ? d * wide.T : 0), gw(wide.T * p_pad),
         pa(TB * std::max(d, TC)), pg(TB * p);
+    Scratch<F> gin(grad_input ? plan.g_elements(p) : 0), dcols(grad_input ? plan.cols_elements(d) : 0),
+        dx_images(grad_input ? InputGradPlan::image_elements(wide, W) : 0);
+    if (grad_input) std::fill(dcols.get(), dcols.get() + plan.cols_elements(d), F(0));
     std::vector<const F*> patch_rows(d);  // the patch rows, in place in `phases`
     for (int64_t row = 0; row < d; ++row) patch_rows[row] = phases.get() + patch_row_offset(c, cin, wide, row);
     Scratch<Vec<F>> ga(TB * TB / W), gg(TB * TB / W);
@@ -599,14 +739,17 @@ void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& c, bool ghost
           }
       }
       partial[item] = total;
+      if (grad_input)
+        input_grad_isa(gi, wt.data() + grp * d * p, c, cin, p, wide, plan, gin.get(), dcols.get(), dx_images.get(),
+                       grad_input + (i * c.channels + grp * cin) * c.height * c.width);
     }
   }
   sum_partials(partial, c.batch, groups, out);
 }
 
 template void conv2d_sq_norms<float>(const float*, const float*, const Conv2dGeometry&, bool, double*, float*,
-                                      float*);
+                                      float*, const float*, float*);
 template void conv2d_sq_norms<double>(const double*, const double*, const Conv2dGeometry&, bool, double*,
-                                        double*, double*);
+                                        double*, double*, const double*, double*);
 
 }  // namespace fastdp

@@ -43,9 +43,12 @@ struct Conv2dGeometry {
 // sample's weight gradient to `grads` unless it is null, each group's transposed: (B, groups,
 // C_in / groups * KH * KW, C_out / groups), so that the kernel's tiles are stored as whole vectors.
 // Either route also writes each sample's bias gradient (the sum of g over positions, in
-// float64, then rounded), (B, C_out), to `bias_grads` unless it is null.
+// float64, then rounded), (B, C_out), to `bias_grads` unless it is null. Unless `grad_input` is
+// null, it also writes the input gradient (B, C, H, W) there, from `weight` (C_out, C / groups,
+// KH, KW), C-contiguous: per (sample, group) the patch-row gradients W^T g_i, summed back into
+// the stride-phase images of dx and un-phased (a transposed convolution, from the g already read).
 template <typename F>
 void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& geometry, bool ghost, double* out, F* grads,
-                     F* bias_grads);
+                     F* bias_grads, const F* weight, F* grad_input);
 
 }  // namespace fastdp

@@ -81,9 +81,11 @@ void linear_sq_norms_t(const py::array_t<F>& a, const py::array_t<F>& g, py::arr
 
 // shape: (B, C, H, W, C_out, OH, OW) of x and g; geometry: (groups, kernel_h, kernel_w,
 // stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w). Addresses as for the per-step
-// kernels (called once per convolution layer and backward); grads and bias_grads may be 0.
+// kernels (called once per convolution layer and backward); grads, bias_grads and grad_input
+// may be 0, weight too where grad_input is.
 void conv2d_sq_norms(uintptr_t x, uintptr_t g, const std::vector<int64_t>& shape, const std::vector<int64_t>& geometry,
-                     bool is_double, bool ghost, uintptr_t out, uintptr_t grads, uintptr_t bias_grads) {
+                     bool is_double, bool ghost, uintptr_t out, uintptr_t grads, uintptr_t bias_grads,
+                     uintptr_t weight, uintptr_t grad_input) {
   if (shape.size() != 7 || geometry.size() != 9) throw std::invalid_argument("expected 7 shape and 9 geometry values");
   const fastdp::Conv2dGeometry c{shape[0],    shape[1],    shape[2],    shape[3],    shape[4],    shape[5],
                                  shape[6],    geometry[0], geometry[1], geometry[2], geometry[3], geometry[4],
@@ -94,13 +96,16 @@ void conv2d_sq_norms(uintptr_t x, uintptr_t g, const std::vector<int64_t>& shape
       c.out_width != (c.width + 2 * c.pad_w - c.dilation_w * (c.kernel_w - 1) - 1) / c.stride_w + 1)
     throw std::invalid_argument("convolution geometry does not match the shapes of x and g");
   if (ghost && grads) throw std::invalid_argument("grads: only the direct route writes them");
+  if (grad_input && !weight) throw std::invalid_argument("grad_input needs the weight");
   py::gil_scoped_release release;
   if (is_double)
     fastdp::conv2d_sq_norms<double>(at<const double>(x), at<const double>(g), c, ghost, at<double>(out),
-                                    at<double>(grads), at<double>(bias_grads));
+                                    at<double>(grads), at<double>(bias_grads), at<const double>(weight),
+                                    at<double>(grad_input));
   else
     fastdp::conv2d_sq_norms<float>(at<const float>(x), at<const float>(g), c, ghost, at<double>(out),
-                                   at<float>(grads), at<float>(bias_grads));
+                                   at<float>(grads), at<float>(bias_grads), at<const float>(weight),
+                                   at<float>(grad_input));
 }
 
 // x, dy (N, C, HW); mean, rstd (N, G); gamma (C) or None; dx (N, C, HW) or None; dgamma, dbeta (N, C).
@@ -187,12 +192,14 @@ PYBIND11_MODULE(_C, m) {
       py::arg("a").noconvert(), py::arg("g").noconvert(), py::arg("out").noconvert());
   m.def("conv2d_sq_norms", &conv2d_sq_norms, py::arg("x"), py::arg("g"), py::arg("shape"), py::arg("geometry"),
         py::arg("is_double"), py::arg("ghost"), py::arg("out"), py::arg("grads"), py::arg("bias_grads"),
+        py::arg("weight"), py::arg("grad_input"),
         "out[i] = squared norm of sample i's 2-D convolution weight gradient (addresses of C-contiguous x (B,C,H,W) "
         "and g (B,C_out,OH,OW), both float32 or both float64; shape (B, C, H, W, C_out, OH, OW); geometry (groups, "
         "kh, kw, sh, sw, ph, pw, dh, dw); out float64 (B,)), by the ghost or the direct route; the direct route also "
         "writes the per-sample weight gradients to grads if not 0, each group's transposed: (B, groups, "
         "C_in/groups * kh * kw, C_out/groups); either route writes each sample's bias gradient to bias_grads "
-        "(B, C_out) if not 0.");
+        "(B, C_out) if not 0, and the input gradient (B, C, H, W) to grad_input if not 0, from weight "
+        "(C_out, C/groups, kh, kw).");
   m.def("total_sq_norms", &total_sq_norms, py::arg("parts"), py::arg("batch"), py::arg("total"),
         "total[i] = sum over k of parts[k][i] (addresses of float64 (batch,) buffers, summed in order); returns "
         "whether all are finite.");

@@ -11,7 +11,7 @@ check what the C++ side relies on; other dtypes go through float32.
 from __future__ import annotations
 
 import math
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -130,13 +130,13 @@ CONV_MAX_UNFOLDED = 1 << 22
 
 @ops.register("conv_sq_norms", "native", "cpu")
 def conv_sq_norms(x: torch.Tensor, g: torch.Tensor, spec, ghost: bool, keep_grads: bool = False,
-                  bias_grads: bool = False):
+                  bias_grads: bool = False, input_weight: Optional[torch.Tensor] = None):
     """1-D and 2-D convolutions: each sample's input is split by stride phase into per-thread
     scratch, whose patch rows the ghost tiles copy and the direct tiles read in place, so the
     batch's unfolded input is never stored;
     the direct route writes the per-sample gradients only when ``keep_grads``, either route
-    the bias's when ``bias_grads`` (from the same read of g). ``None`` (composed routes) for
-    3-D convolutions."""
+    the bias's when ``bias_grads`` and the input gradient when given ``input_weight`` (from
+    the same read of g). ``None`` (composed routes) for 3-D convolutions."""
     nd = x.dim() - 2
     if nd not in (1, 2):
         return None
@@ -156,9 +156,12 @@ def conv_sq_norms(x: torch.Tensor, g: torch.Tensor, spec, ghost: bool, keep_grad
         grads = torch.empty(x.shape[0], spec.groups, cin * math.prod(spec.kernel), g.shape[1] // spec.groups,
                             dtype=dtype)
     bias = torch.empty(g.shape[0], g.shape[1], dtype=dtype) if bias_grads else None
+    weight = None if input_weight is None else ops.kernel_operand(input_weight, dtype)
+    grad_input = None if weight is None else torch.empty(x.shape, dtype=dtype)
     _C.conv2d_sq_norms(x4.data_ptr(), g4.data_ptr(), [*x4.shape, *g4.shape[1:]],
                        [spec.groups, *kernel, *stride, *padding, *dilation], dtype == torch.float64, ghost,
-                       out.data_ptr(), 0 if grads is None else grads.data_ptr(), 0 if bias is None else bias.data_ptr())
+                       out.data_ptr(), 0 if grads is None else grads.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                       0 if weight is None else weight.data_ptr(), 0 if grad_input is None else grad_input.data_ptr())
     if grads is not None:  # (B, C_out, C_in / groups, *kernel): a strided view for one group, else a copy
         shape = (x.shape[0], g.shape[1], cin, *spec.kernel)
         if spec.groups == 1:  # element (i, o, c, *k) of (B, d, p) sits at i d p + (c K + k) p + o
@@ -166,7 +169,7 @@ def conv_sq_norms(x: torch.Tensor, g: torch.Tensor, spec, ghost: bool, keep_grad
             grads = grads.as_strided(shape, (grads.stride(0), 1, math.prod(spec.kernel) * g.shape[1], *tap_strides))
         else:
             grads = grads.transpose(2, 3).reshape(shape)
-    return out, grads, bias
+    return out, grads, bias, grad_input
 
 
 @ops.register("group_norm_backward", "native", "cpu")

@@ -256,7 +256,7 @@ def noisy_average_ref(
 
 
 def conv_sq_norms_ref(x: torch.Tensor, g: torch.Tensor, spec, ghost: bool, keep_grads: bool = False,
-                      bias_grads: bool = False) -> None:
+                      bias_grads: bool = False, input_weight: Optional[torch.Tensor] = None) -> None:
     """No fused reference: ``None`` tells the convolution rule to compose the route itself
     (unfold and :func:`linear_sq_norms_ghost`, or per-sample gradients from one grouped
     convolution, which it then keeps for the clipped sum)."""
@@ -327,16 +327,19 @@ def linear_sq_norms_direct(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 
 def conv_sq_norms(x: torch.Tensor, g: torch.Tensor, spec, ghost: bool, keep_grads: bool = False,
-                  bias_grads: bool = False) -> Optional[Tuple[torch.Tensor, Optional[torch.Tensor],
-                                                              Optional[torch.Tensor]]]:
+                  bias_grads: bool = False, input_weight: Optional[torch.Tensor] = None
+                  ) -> Optional[Tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor],
+                                      Optional[torch.Tensor]]]:
     """Per-sample squared weight-gradient norms of a zero-padded convolution, float64 (B,), by
     the ghost or the direct route, from the input ``x`` (B, C, *S) and output gradient ``g``
     (B, C_out, *S'); ``spec`` has ``stride``, ``padding``, ``dilation``, ``kernel`` and
-    ``groups``. Returns ``(norms, grads, bias)``: ``grads`` holds the per-sample weight
-    gradients (B, *weight.shape) where the direct route was asked to ``keep_grads``, ``bias``
-    the per-sample bias gradients (B, C_out) where asked for ``bias_grads``, else ``None``.
-    ``None`` where no fused kernel takes this call."""
-    return _call("conv_sq_norms", x.device, x, g, spec, ghost, keep_grads=keep_grads, bias_grads=bias_grads)
+    ``groups``. Returns ``(norms, grads, bias, grad_input)``: ``grads`` holds the per-sample
+    weight gradients (B, *weight.shape) where the direct route was asked to ``keep_grads``,
+    ``bias`` the per-sample bias gradients (B, C_out) where asked for ``bias_grads``,
+    ``grad_input`` the input gradient (B, C, *S) where given the weight as ``input_weight``,
+    else ``None``; all in the kernel's dtype. ``None`` where no fused kernel takes this call."""
+    return _call("conv_sq_norms", x.device, x, g, spec, ghost, keep_grads=keep_grads, bias_grads=bias_grads,
+                 input_weight=input_weight)
 
 
 def embedding_sq_norms(ids: torch.Tensor, g: torch.Tensor, padding_idx: Optional[int]) -> torch.Tensor:

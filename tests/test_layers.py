@@ -146,8 +146,32 @@ def test_conv_autotune_remembers_per_geometry_and_stays_exact(monkeypatch):
     assert len(conv._FASTEST_ROUTE) == 2
     fused = ops.implementation("conv_sq_norms", torch.device("cpu"))[0] != "reference"
     for other in ("ghost", "direct") + (("instantiate",) if fused else ()):  # each route in turn, same answer
-        monkeypatch.setattr(conv, "_FASTEST_ROUTE", {k: other for k in conv._FASTEST_ROUTE})
+        monkeypatch.setattr(conv, "_FASTEST_ROUTE", {k: (other, False) for k in conv._FASTEST_ROUTE})
         check_exact(model, [torch.randn(3, 3, 9, 9)])
+
+
+@pytest.mark.parametrize("kernel,stride,padding,dilation,groups", [(3, 1, 1, 1, 1), (4, 2, 0, 1, 1),
+                                                                   (3, 2, 2, 2, 2), (2, 3, 1, 1, 3)])
+def test_conv_fused_input_gradient_is_exact(monkeypatch, kernel, stride, padding, dilation, groups):
+    """Where the second convolution's input needs a gradient, the fused kernel's input
+    gradient (each route forced, with and without it) gives the first layer's exact clipped
+    sums; the choice is timed with the others and remembered."""
+    import fastdp.layers.conv as conv
+
+    if ops.implementation("conv_sq_norms", torch.device("cpu"))[0] == "reference":
+        pytest.skip("the fused convolution kernel is not selected (not built, or another FASTDP_BACKEND)")
+    monkeypatch.setattr(conv, "_FASTEST_ROUTE", {})
+    monkeypatch.setattr(conv, "AUTOTUNE_WITHIN", float("inf"))
+    torch.manual_seed(kernel + stride)
+    model = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.Tanh(),
+                          nn.Conv2d(6, 12, kernel, stride, padding, dilation, groups), nn.Flatten())
+    check_exact(model, [torch.randn(3, 3, 11, 10)])
+    second = [key for key in conv._FASTEST_ROUTE if key[-1]]  # the key of the layer whose input needs a gradient
+    assert len(second) == 1
+    for route in ("ghost", "direct", "direct-keep"):
+        for fused_input in (True, False):
+            monkeypatch.setitem(conv._FASTEST_ROUTE, second[0], (route, fused_input))
+            check_exact(model, [torch.randn(4, 3, 11, 10)])
 
 
 def test_conv_direct_keep_route_is_timed_and_exact(monkeypatch):
@@ -162,11 +186,11 @@ def test_conv_direct_keep_route_is_timed_and_exact(monkeypatch):
     monkeypatch.setattr(conv, "AUTOTUNE_WITHIN", float("inf"))
     timed = []
     original = conv._time_routes
-    monkeypatch.setattr(conv, "_time_routes", lambda key, routes, *rest: timed.append(set(routes)) or
-                        original(key, routes, *rest))
+    monkeypatch.setattr(conv, "_time_routes", lambda key, choices, *rest: timed.append(set(choices)) or
+                        original(key, choices, *rest))
     torch.manual_seed(3)
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten())  # 4x4 input: |W| = 216, x + g = 48 + 32
     check_exact(model, [torch.randn(3, 3, 4, 4)])
-    assert timed == [{"ghost", "direct", "instantiate", "direct-keep"}]
-    monkeypatch.setattr(conv, "_FASTEST_ROUTE", {k: "direct-keep" for k in conv._FASTEST_ROUTE})
+    assert timed == [{("ghost", False), ("direct", False), ("instantiate", False), ("direct-keep", False)}]
+    monkeypatch.setattr(conv, "_FASTEST_ROUTE", {k: ("direct-keep", False) for k in conv._FASTEST_ROUTE})
     check_exact(model, [torch.randn(4, 3, 4, 4)])

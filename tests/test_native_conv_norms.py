@@ -3,7 +3,9 @@
 The kernel unfolds one sample's patches at a time (zero padding, stride, dilation, groups)
 and runs the linear ghost or direct tiles on them; the reference convolves each sample on
 its own. Error bound as for the linear kernels: relative to the norms of the absolute
-values' gradients, which bound every rounded partial sum.
+values' gradients, which bound every rounded partial sum. The input gradient the kernel
+can write beside the norms is checked against aten's in float64, entry by entry, within
+the a-priori bound of a rounded sum of n products (n u times the sum of their magnitudes).
 """
 import pytest
 import torch
@@ -39,8 +41,15 @@ def _case(dim, batch, groups, cin, cout, kernel, stride, padding, dilation, size
     return x, g, spec
 
 
-def _check(result, x, g, spec):
-    out, grads, bias = result
+def input_grad(x, g, weight, spec):
+    """aten's input gradient in float64."""
+    return torch.ops.aten.convolution_backward(
+        g.double(), x.double(), weight.double(), None, spec.stride, spec.padding, spec.dilation,
+        False, [0] * len(spec.stride), spec.groups, [True, False, False])[0]
+
+
+def _check(result, x, g, spec, weight=None):
+    out, grads, bias, grad_input = result
     exact = per_sample_sq_norms(x, g, spec)
     scale = per_sample_sq_norms(x.double().abs(), g.double().abs(), spec)
     assert out.dtype == torch.float64 and out.shape == (x.shape[0],)
@@ -53,8 +62,18 @@ def _check(result, x, g, spec):
         assert ((grads.double() - want).abs() <= TOL[grads.dtype] * bound + 1e-300).all()
     if bias is not None:  # each entry one float64 sum over positions, then rounded once
         want, bound = g.double().flatten(2).sum(2), g.double().abs().flatten(2).sum(2)
-        assert bias.shape == want.shape and bias.dtype == (x.dtype if x.dtype in TOL else torch.float32)
+        assert bias.shape == want.shape and bias.dtype == out_dtype(x)
         assert ((bias.double() - want).abs() <= TOL[bias.dtype] * bound + 1e-300).all()
+    assert (grad_input is not None) == (weight is not None)
+    if grad_input is not None:
+        want, bound = input_grad(x, g, weight, spec), input_grad(x.abs(), g.abs(), weight.abs(), spec)
+        terms = g.shape[1] // spec.groups * weight[0, 0].numel()  # products summed per entry
+        assert grad_input.shape == x.shape and grad_input.dtype == out_dtype(x)
+        assert ((grad_input.double() - want).abs() <= terms * torch.finfo(grad_input.dtype).eps * bound + 1e-300).all()
+
+
+def out_dtype(x):
+    return x.dtype if x.dtype in TOL else torch.float32
 
 
 @settings(max_examples=60, deadline=None)
@@ -66,10 +85,14 @@ def test_matches_per_sample_gradients(dim, batch, groups, cin, cout, kernel, str
                                       dtype, seed):
     size = max(1, dilation * (kernel - 1) + 1 - 2 * padding) + extra  # at least one output position
     x, g, spec = _case(dim, batch, groups, cin, cout, kernel, stride, padding, dilation, size, dtype, seed)
-    for ghost, keep, bias in ((True, False, True), (False, False, False), (False, True, True)):
-        result = native.conv_sq_norms(x, g, spec, ghost, keep_grads=keep, bias_grads=bias)
+    weight = torch.randn(cout * groups, cin, *spec.kernel, generator=torch.Generator().manual_seed(seed),
+                         dtype=torch.float64).to(dtype)
+    for ghost, keep, bias, dx in ((True, False, True, True), (False, False, False, False), (False, True, True, True),
+                                  (True, False, False, False), (False, False, True, True)):
+        w = weight if dx else None
+        result = native.conv_sq_norms(x, g, spec, ghost, keep_grads=keep, bias_grads=bias, input_weight=w)
         assert (result[1] is not None) == keep and (result[2] is not None) == bias
-        _check(result, x, g, spec)
+        _check(result, x, g, spec, w)
 
 
 @pytest.mark.parametrize("ghost", [True, False])
@@ -78,15 +101,19 @@ def test_several_tiles_each_way(ghost, dtype):
     """T = 20 x 20 = 400 positions (several 64-row Gram tiles), d = 7 * 9 = 63 and p = 70
     ragged against the 64-wide tiles and the 16-lane vectors."""
     x, g, spec = _case(2, 3, 1, 7, 70, 3, 1, 1, 1, 20, dtype, 0)
-    _check(native.conv_sq_norms(x, g, spec, ghost, keep_grads=True), x, g, spec)
+    weight = torch.randn(70, 7, 3, 3, dtype=dtype)
+    _check(native.conv_sq_norms(x, g, spec, ghost, keep_grads=True, input_weight=weight), x, g, spec, weight)
 
 
 def test_other_dtypes_and_layouts():
     """bfloat16 runs through float32; a channels-last input and a grad tensor are copied as needed."""
     x, g, spec = _case(2, 2, 1, 3, 4, 3, 2, 1, 1, 9, torch.float32, 1)
-    _check(native.conv_sq_norms(x.to(memory_format=torch.channels_last).requires_grad_(), g, spec, True), x, g, spec)
+    weight = torch.randn(4, 3, 3, 3).requires_grad_()
+    _check(native.conv_sq_norms(x.to(memory_format=torch.channels_last).requires_grad_(), g, spec, True,
+                                input_weight=weight.transpose(2, 3).contiguous().transpose(2, 3)), x, g, spec, weight)
     x16, g16 = x.bfloat16(), g.bfloat16()
-    _check(native.conv_sq_norms(x16, g16, spec, False, keep_grads=True), x16.float(), g16.float(), spec)
+    _check(native.conv_sq_norms(x16, g16, spec, False, keep_grads=True, input_weight=weight.bfloat16()),
+           x16.float(), g16.float(), spec, weight.bfloat16().float())
 
 
 def test_declines_what_it_does_not_take(monkeypatch):

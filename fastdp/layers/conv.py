@@ -15,16 +15,17 @@ summed; never as one dense matrix. Two routes, chosen per call by flops as for L
 * ghost: unfold (``prod(kernel)`` times the input) and the linear ghost norm per group.
 
 Where a backend has a fused kernel for the call (``ops.conv_sq_norms``: C++ on CPU for 1-D
-and 2-D convolutions), either route runs in it instead, one sample's patches at a time. The
-clipped sum is then one weight-gradient convolution on coefficient-scaled ``x`` or ``g``,
-except where the direct route kept the per-sample gradients (where they are small, or
-where timing found keeping them faster).
+and 2-D convolutions), either route runs in it instead, one sample's patches at a time,
+and may write the layer's input gradient from the same read of g (where timing found that
+faster than aten's). The clipped sum is then one weight-gradient convolution on
+coefficient-scaled ``x`` or ``g``, except where the direct route kept the per-sample
+gradients (where they are small, or where timing found keeping them faster).
 """
 from __future__ import annotations
 
 import math
 import time
-from typing import Callable, Dict, Iterable, List, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -48,24 +49,48 @@ _CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 # timing below) where the kept gradients hold at most KEEP_LIMIT times the elements of x
 # and g, which the kept route frees early.
 #
+# A fused route may also write the input gradient (where the layer's input needs one): a
+# transposed convolution from the g it already read, in place of aten's. A choice is a pair
+# (route, fused input gradient).
+#
 # The cost model is only a rough guide (grouped convolutions with many channels and few
 # positions run far below peak, the fused kernel's speed depends on the geometry). Where
-# more than one route is plausible, the first call with a new geometry times each with the
-# clipped sum it leaves to do and remembers the fastest (elsewhere the one plausible route).
-# The key holds every dimension except the batch (costs scale linearly in it): a new image
-# size is a new key, so no decision goes stale. AUTOTUNE=False always follows the cost model.
+# more than one choice is plausible, the first call with a new geometry times each with the
+# clipped sum and the input gradient it leaves to do and remembers the fastest (elsewhere
+# the one plausible choice). The key holds every dimension except the batch (costs scale
+# linearly in it): a new image size is a new key, so no decision goes stale. AUTOTUNE=False
+# always follows the cost model and leaves the input gradient to aten.
 AUTOTUNE = True
 AUTOTUNE_WITHIN = 4.0  # both flop routes are plausible where their estimates are this close
 KEEP_LIMIT = 4.0
-_FASTEST_ROUTE: Dict[tuple, str] = {}
+# A fused input gradient is chosen only where its timed choice is faster by this factor:
+# timed alone, close calls (stride-1 layers with many channels, where aten's is near peak)
+# came out either way from run to run, and inside a step the fused kernel shares the caches.
+FUSED_INPUT_EDGE = 1.1
+TIMED_RUNS = 5
+_FASTEST_ROUTE: Dict[tuple, Tuple[str, bool]] = {}
 
 
-def _time_routes(key, routes: Dict[str, Callable[[], torch.Tensor]], weight_sum: Callable[[], object],
+class InputGradRequest:
+    """Passed from the Function's backward to the rule where the layer's input needs a
+    gradient: the ``weight`` it takes, and the gradient once a fused route wrote it
+    (``None``: aten computes it)."""
+
+    __slots__ = ("weight", "grad")
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight: torch.Tensor = weight
+        self.grad: Optional[torch.Tensor] = None
+
+
+def _time_routes(key, choices: List[Tuple[str, bool]], run: Callable[[Tuple[str, bool]], torch.Tensor],
+                 weight_sum: Callable[[], object], input_grad: Optional[Callable[[], object]],
                  rec: Record) -> torch.Tensor:
-    """Run each route three times (the first run pays one-off allocations, the best of the
-    others resists a busy machine) and keep the fastest, counting the clipped sum each leaves
-    to do: ``weight_sum`` (a weight-gradient convolution) after routes that keep no per-sample
-    gradients, a weighted sum of the kept ones after the others."""
+    """Run each choice TIMED_RUNS times, in turns (the first run pays one-off allocations,
+    the best of the others resists a busy machine) and keep the fastest, counting what each leaves to do: the
+    clipped sum, ``weight_sum`` (a weight-gradient convolution) after routes that keep no
+    per-sample gradients and a weighted sum of the kept ones after the others; and aten's
+    ``input_grad`` where the input gradient is wanted and the route did not write it."""
     def timed(fn):
         _wait_for_device(rec)
         start = time.perf_counter()
@@ -73,25 +98,36 @@ def _time_routes(key, routes: Dict[str, Callable[[], torch.Tensor]], weight_sum:
         _wait_for_device(rec)
         return out, time.perf_counter() - start
 
+    request: Optional[InputGradRequest] = rec.activation[2]
     sum_time = min(timed(weight_sum)[1] for _ in range(2))
+    input_time = min(timed(input_grad)[1] for _ in range(2)) if input_grad is not None else 0.0
     best, results = {}, {}
-    for name, route in list(routes.items()) * 3:
+    for choice in choices * TIMED_RUNS:
         rec.cache.pop("weight", None)
-        out, elapsed = timed(route)
+        if request is not None:
+            request.grad = None
+        out, elapsed = timed(lambda: run(choice))
         kept = rec.cache.get("weight")
         if kept is None:
             elapsed += sum_time
         else:
             ones = kept.new_ones(kept.shape[0])
             elapsed += min(timed(lambda: weighted_sum(ones, kept))[1] for _ in range(2))
-        best[name] = min(best.get(name, math.inf), elapsed)
-        results[name] = (out, kept)
-    name = min(best, key=best.get)
-    _FASTEST_ROUTE[key] = name
-    out, kept = results[name]
+        grad_input = None if request is None else request.grad
+        if request is not None and grad_input is None:
+            elapsed += input_time
+        elif grad_input is not None:
+            elapsed *= FUSED_INPUT_EDGE
+        best[choice] = min(best.get(choice, math.inf), elapsed)
+        results[choice] = (out, kept, grad_input)
+    choice = min(best, key=best.get)
+    _FASTEST_ROUTE[key] = choice
+    out, kept, grad_input = results[choice]
     rec.cache.pop("weight", None)
     if kept is not None:
         rec.cache["weight"] = kept
+    if request is not None:
+        request.grad = grad_input
     return out
 
 
@@ -142,13 +178,18 @@ class _ConvFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        ctx.tap.fire((x, ctx.spec), grad_out)
+        request = InputGradRequest(weight) if ctx.needs_input_grad[0] else None
+        ctx.tap.fire((x, ctx.spec, request), grad_out)
         grad_x = None
-        if ctx.needs_input_grad[0]:
+        if request is not None:
+            grad_x, request.grad = request.grad, None
             # under autocast x may be float32 while grad_out is bfloat16: one dtype for aten
             dtype = grad_out.dtype
-            grad_x = _convolution_backward(grad_out, as_dtype(x, dtype), as_dtype(weight, dtype), ctx.spec,
-                                           ctx.spec.groups, [True, False, False])[0]
+            if grad_x is None:
+                grad_x = _convolution_backward(grad_out, as_dtype(x, dtype), as_dtype(weight, dtype), ctx.spec,
+                                               ctx.spec.groups, [True, False, False])[0]
+            else:
+                grad_x = as_dtype(grad_x, dtype)
         return grad_x, None, None, None, None
 
 
@@ -202,7 +243,7 @@ class ConvRule(LayerRule):
     # -- per-sample math ---------------------------------------------------------------
     @staticmethod
     def _shapes(rec: Record):
-        x, spec = rec.activation
+        x, spec = rec.activation[:2]
         return x, spec, rec.param("weight")
 
     @staticmethod
@@ -251,13 +292,15 @@ class ConvRule(LayerRule):
         if x.shape[0] == 0:
             return g.new_zeros(0, dtype=torch.float64)
         backend = ops.implementation("conv_sq_norms", x.device)[0]
-        key = (tuple(x.shape[1:]), tuple(weight.shape), spec.key(), x.dtype, x.device.type, backend)
-        name = _FASTEST_ROUTE.get(key) if AUTOTUNE else None
-        if name is not None:
-            return self._route(name, rec)
+        request: Optional[InputGradRequest] = rec.activation[2]
+        fused_input = request is not None and backend != "reference"  # no fused kernel in the reference
+        key = (tuple(x.shape[1:]), tuple(weight.shape), spec.key(), x.dtype, x.device.type, backend, fused_input)
+        choice = _FASTEST_ROUTE.get(key) if AUTOTUNE else None
+        if choice is not None:
+            return self._route(*choice, rec)
         ghost_cost, direct_cost = route_costs(*self._linear_dims(g, spec, weight))
         if not AUTOTUNE:
-            return self._route("ghost" if ghost_cost < direct_cost else "direct", rec)
+            return self._route("ghost" if ghost_cost < direct_cost else "direct", False, rec)
         routes = ["ghost", "direct"]
         if backend != "reference":  # without a fused kernel "direct" already is "instantiate"
             routes.append("instantiate")
@@ -267,27 +310,37 @@ class ConvRule(LayerRule):
             routes = ["ghost"]
         elif direct_cost * AUTOTUNE_WITHIN < ghost_cost:
             routes.remove("ghost")
-        if len(routes) == 1:
-            _FASTEST_ROUTE[key] = routes[0]
-            return self._route(routes[0], rec)
+        choices = [(r, False) for r in routes] + [(r, True) for r in routes if fused_input and r != "instantiate"]
+        if len(choices) == 1:
+            _FASTEST_ROUTE[key] = choices[0]
+            return self._route(*choices[0], rec)
         weight_sum = lambda: _convolution_backward(g, x.to(g.dtype), weight.shape, spec, spec.groups,  # noqa: E731
                                                    [False, True, False])
-        return _time_routes(key, {r: (lambda r=r: self._route(r, rec)) for r in routes}, weight_sum, rec)
+        input_grad = None
+        if fused_input:
+            input_grad = lambda: _convolution_backward(g, x.to(g.dtype), weight.to(g.dtype), spec,  # noqa: E731
+                                                       spec.groups, [True, False, False])
+        return _time_routes(key, choices, lambda choice: self._route(*choice, rec), weight_sum, input_grad, rec)
 
-    def _route(self, name: str, rec: Record) -> torch.Tensor:
+    def _route(self, name: str, fused_input: bool, rec: Record) -> torch.Tensor:
         """The weight norms by route ``name``; "direct" keeps the per-sample gradients where
-        they are no larger than x and g, "direct-keep" always, "instantiate" (composed) too."""
+        they are no larger than x and g, "direct-keep" always, "instantiate" (composed) too.
+        With ``fused_input`` a fused route also writes the input gradient to the request."""
         x, spec, weight = self._shapes(rec)
         g = rec.grad_output
         if name != "instantiate":
             ghost = name == "ghost"
             keep = name == "direct-keep" or (name == "direct" and _kept_ratio(x, g, weight) <= 1)
-            fused = ops.conv_sq_norms(x, g, spec, ghost, keep_grads=keep, bias_grads="bias" in rec.params)
+            request: Optional[InputGradRequest] = rec.activation[2] if fused_input else None
+            fused = ops.conv_sq_norms(x, g, spec, ghost, keep_grads=keep, bias_grads="bias" in rec.params,
+                                      input_weight=None if request is None else request.weight)
             if fused is not None:
-                norms, grads, bias = fused
+                norms, grads, bias, grad_input = fused
                 for param, kept in (("weight", grads), ("bias", bias)):
                     if kept is not None:
                         rec.cache[param] = kept
+                if request is not None:
+                    request.grad = grad_input
                 return norms
             if ghost:
                 seq, d, p = self._linear_dims(g, spec, weight)
