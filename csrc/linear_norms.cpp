@@ -437,15 +437,46 @@ __attribute__((always_inline)) inline void phase_images(const F* x, const Conv2d
 }
 
 // The inverse of phase_images: every element of x (one sample's group) read back from the
-// phase images `in`; the padding is dropped.
+// phase images `in` (followed by at least one vector of readable slack); the padding is
+// dropped. Row by row of x for horizontal strides 1 (a copy) and 2 (two phase rows
+// interleaved, a vector at a time where the compiler has the shuffles), else element by element.
 template <typename F>
 __attribute__((always_inline)) inline void unphase_images(const F* in, const Conv2dGeometry& c, int64_t channels,
                                                           const WideLayout& w, F* x) {
-  const int64_t sw = c.stride_w;
-  for_each_phase_row(c, channels, w, [&](int64_t image_row, int64_t x_row, int64_t v_lo, int64_t v_hi, int64_t shift) {
-    if (x_row < 0) return;
-    for (int64_t v = v_lo; v < v_hi; ++v) x[x_row + v * sw + shift] = in[image_row + v];
-  });
+  const int64_t sw = c.stride_w, pw = c.pad_w, width = c.width;
+  if (sw > 2) {
+    for_each_phase_row(c, channels, w, [&](int64_t image_row, int64_t x_row, int64_t v_lo, int64_t v_hi,
+                                           int64_t shift) {
+      if (x_row < 0) return;
+      for (int64_t v = v_lo; v < v_hi; ++v) x[x_row + v * sw + shift] = in[image_row + v];
+    });
+    return;
+  }
+  for (int64_t ch = 0; ch < channels; ++ch)
+    for (int64_t iy = 0; iy < c.height; ++iy) {
+      const int64_t phy = (iy + c.pad_h) % c.stride_h, u = (iy + c.pad_h) / c.stride_h;
+      auto phase_row = [&](int64_t phx) { return in + (((phy * sw + phx) * channels + ch) * w.U + u) * w.V; };
+      F* dst = x + (ch * c.height + iy) * width;
+      if (sw == 1) {
+        std::copy(phase_row(0) + pw, phase_row(0) + pw + width, dst);
+        continue;
+      }
+      // x[2j] = even[j], x[2j + 1] = odd[j]
+      const F* even = phase_row(pw % 2) + pw / 2;
+      const F* odd = phase_row((pw + 1) % 2) + (pw + 1) / 2;
+      int64_t j = 0;
+#ifdef LINEAR_NORMS_TRANSPOSE
+      constexpr int W = kLanes<F>;
+      typename VecOf<F>::index low;
+      for (int k = 0; k < W; ++k) low[k] = k / 2 + (k % 2) * W;
+      for (; 2 * (j + W / 2) <= width; j += W / 2)  // reads stay within the images and their slack
+        store(dst + 2 * j, __builtin_shuffle(Vec<F>(load(even + j)), Vec<F>(load(odd + j)), low));
+#endif
+      for (; 2 * j < width; ++j) {
+        dst[2 * j] = even[j];
+        if (2 * j + 1 < width) dst[2 * j + 1] = odd[j];
+      }
+    }
 }
 
 // Patch row (ch * KH + ki) * KW + kj in the wide layout is the T consecutive elements of its
@@ -626,31 +657,37 @@ __attribute__((always_inline)) inline void input_grad(const F* g, const F* wt, c
   constexpr int W = kLanes<F>;
   const int64_t d = cin * c.kernel_h * c.kernel_w, image_size = w.U * w.V, blocks = plan.t_pad / W;
   wide_g_rows(g, c, p, w, plan.t_pad, gin);
-  for (int64_t cb = 0; cb < blocks; cb += 2) {
-    const bool pair = cb + 1 < blocks;
-    for (int64_t r0 = 0; r0 < d; r0 += MR) {
-      const F* rows[MR];
-      for (int r = 0; r < MR; ++r) rows[r] = wt + std::min<int64_t>(r0 + r, d - 1) * p;
+  auto gather = [&](int64_t m) {
+    for (int64_t pos = 0; pos < image_size; pos += W) {
+      Vec<F> sum = {};
+      for (int64_t k = plan.first[m]; k < plan.first[m + 1]; ++k)
+        sum += load(dcols + k * plan.row_step + plan.lead + pos - plan.shifts[k]);
+      store(images + m * image_size + pos, sum);
+    }
+  };
+  // dcols row k is patch row plan.rows[k] (sorted by image): each image is gathered as soon as
+  // its rows are written, while they are in L1.
+  int64_t image = 0;
+  for (int64_t k0 = 0; k0 < d; k0 += MR) {
+    const F* rows[MR];
+    for (int r = 0; r < MR; ++r) rows[r] = wt + plan.rows[std::min<int64_t>(k0 + r, d - 1)] * p;
+    for (int64_t cb = 0; cb < blocks; cb += 2) {
+      const bool pair = cb + 1 < blocks;
       Vec<F> acc0[MR], acc1[MR];
       for (int r = 0; r < MR; ++r) acc0[r] = acc1[r] = Vec<F>{};
       if (pair)
         micro_kernel2(rows, 1, gin + cb * W, plan.t_pad, gin + (cb + 1) * W, plan.t_pad, p, acc0, acc1);
       else
         micro_kernel(rows, 1, gin + cb * W, plan.t_pad, p, acc0);
-      F* out = dcols + r0 * plan.row_step + plan.lead + cb * W;
-      for (int64_t r = 0; r < std::min<int64_t>(MR, d - r0); ++r) {
+      F* out = dcols + k0 * plan.row_step + plan.lead + cb * W;
+      for (int64_t r = 0; r < std::min<int64_t>(MR, d - k0); ++r) {
         store(out + r * plan.row_step, acc0[r]);
         if (pair) store(out + r * plan.row_step + W, acc1[r]);
       }
     }
+    for (; image < w.images && plan.first[image + 1] <= std::min(d, k0 + MR); ++image) gather(image);
   }
-  for (int64_t m = 0; m < w.images; ++m)
-    for (int64_t pos = 0; pos < image_size; pos += W) {
-      Vec<F> sum = {};
-      for (int64_t k = plan.first[m]; k < plan.first[m + 1]; ++k)
-        sum += load(dcols + plan.rows[k] * plan.row_step + plan.lead + pos - plan.shifts[k]);
-      store(images + m * image_size + pos, sum);
-    }
+  for (; image < w.images; ++image) gather(image);  // images no tap lands in: zeros
   unphase_images(images, c, cin, w, dx);
 }
 
