@@ -95,7 +95,7 @@ def norm_rows(impls, device, repeat, timer, sync):
 
 CONV_LAYERS = (  # (batch, C_in, C_out, image size, kernel, stride, padding): the CIFAR and MNIST CNNs' layers
     (128, 3, 32, 32, 3, 1, 1), (128, 32, 64, 16, 3, 1, 1), (128, 64, 64, 8, 3, 1, 1), (128, 64, 128, 4, 3, 1, 1),
-    (256, 1, 16, 28, 8, 2, 2), (256, 16, 32, 13, 4, 2, 0))
+    (256, 1, 16, 28, 8, 2, 2), (256, 16, 32, 13, 4, 2, 0), (64, 16, 32, 12, 4, 2, 0))
 
 
 def conv_case(b, cin, cout, size, k, stride, pad, device="cpu"):
@@ -110,36 +110,47 @@ def conv_case(b, cin, cout, size, k, stride, pad, device="cpu"):
 def conv_routes(x, g, spec, weight_shape, fused):
     """Ways to the per-sample weight norms of one convolution: the rule's composed routes
     (unfold + ghost norm; per-sample gradients from one grouped convolution) and ``fused``
-    (``ops.conv_sq_norms``' signature) for each route; plus, as a yardstick, the layer's
-    summed weight gradient, which is what the non-private step pays for it."""
+    (``ops.conv_sq_norms``' signature) for each route, and its direct route writing the input
+    gradient too; plus, as yardsticks, the layer's summed weight gradient, which is what the
+    non-private step pays for it, and aten's input gradient, which both steps pay."""
     from fastdp.layers.base import sq_norms_of
     from fastdp.layers.conv import ConvRule, _convolution_backward
 
     rule = ConvRule()
     seq, d, p = g[0, 0].numel(), x.shape[1] * spec.kernel[0] * spec.kernel[1], g.shape[1]
+    weight = torch.randn(weight_shape, device=x.device)
     return {
         "composed ghost (unfold)": lambda: rule._ghost_sq_norms(x, g, spec, d, p, seq),
         "composed direct (grouped conv)": lambda: sq_norms_of(rule._per_sample_weight(x, g, spec, weight_shape)),
         "native ghost": lambda: fused(x, g, spec, True)[0],
         "native direct": lambda: fused(x, g, spec, False)[0],
         "native direct, kept gradients": lambda: fused(x, g, spec, False, keep_grads=True)[0],
+        "native direct, input gradient": lambda: fused(x, g, spec, False, input_weight=weight)[3],
         "weight gradient": lambda: _convolution_backward(g, x, weight_shape, spec, 1, [False, True, False])[1],
+        "input gradient": lambda: _convolution_backward(g, x, weight, spec, 1, [True, False, False])[0],
     }
 
 
 def conv_rows(impls, device, repeat, timer, sync):
     """The fused convolution norm against the composed routes, and the extra column: kernel
-    time / the layer's weight-gradient time."""
+    time / the layer's weight-gradient time. Then the direct route writing the input gradient
+    too against the direct route and aten's input gradient, and the extra column: what the
+    input gradient adds to the kernel / aten's input gradient (the rule takes the fused one
+    where it is the faster, by timing)."""
     if "conv_sq_norms" not in impls:
         return
     for b, cin, cout, size, k, stride, pad in CONV_LAYERS:
         routes = conv_routes(*conv_case(b, cin, cout, size, k, stride, pad, device), impls["conv_sq_norms"])
         t_weight = timer(routes["weight gradient"], repeat, sync)
+        name = f"B{b} {cin}->{cout} {size}px k{k} s{stride}"
         for route, composed in (("ghost", "composed ghost (unfold)"), ("direct", "composed direct (grouped conv)")):
             t_ref = timer(routes[composed], repeat, sync)
             t_k = timer(routes[f"native {route}"], repeat, sync)
-            yield (f"conv {route} B{b} {cin}->{cout} {size}px k{k} s{stride}", t_ref, t_k,
-                   f"kernel/weight-grad {t_k / t_weight:.2f}")
+            yield f"conv {route} {name}", t_ref, t_k, f"kernel/weight-grad {t_k / t_weight:.2f}"
+        t_input = timer(routes["input gradient"], repeat, sync)
+        t_both = timer(routes["native direct, input gradient"], repeat, sync)
+        yield (f"conv direct + input grad {name}", t_k + t_input, t_both,
+               f"added/aten input-grad {(t_both - t_k) / t_input:.2f}")
 
 
 # (batch, channels, image size, groups): the CIFAR CNN's GroupNorm layers

@@ -104,7 +104,8 @@ def _conv_routes(x, g, spec, weight_shape):
 
 
 @pytest.mark.parametrize("impl", ["loop", "composed ghost (unfold)", "composed direct (grouped conv)", "native ghost",
-                                  "native direct", "native direct, kept gradients", "weight gradient"])
+                                  "native direct", "native direct, kept gradients", "native direct, input gradient",
+                                  "weight gradient", "input gradient"])
 @pytest.mark.parametrize("shape", list(CONV))
 def test_conv_norms(benchmark, shape, impl):
     benchmark.group = f"conv norms {shape}"
