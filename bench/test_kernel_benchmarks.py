@@ -160,6 +160,8 @@ def test_references_agree():
         routes = _conv_routes(x, g, spec, weight_shape)
         want = routes.pop("loop")()
         routes.pop("weight gradient")
+        torch.testing.assert_close(routes.pop("native direct, input gradient")(), routes.pop("input gradient")(),
+                                   rtol=1e-4, atol=1e-4)
         for route in routes.values():
             torch.testing.assert_close(route(), want, rtol=1e-5, atol=0)
     for shape in GROUP_NORM:
