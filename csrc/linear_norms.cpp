@@ -609,10 +609,11 @@ FASTDP_MULTIVERSION void wide_operands_isa(const double* x, const double* g, con
 
 // How the input gradient of one (sample, group) is laid out. The patch-row gradients dcols =
 // W^T g (d, T wide) are written one row per `row_step`, after `lead` zeros and followed by
-// zeros; then each phase image of dx sums, one vector at a time, the rows whose taps land in it
-// (rows[first[m] .. first[m + 1]) for image m), each shifted by its tap's offset. Reads at
-// shifted offsets replace scattered adds: overlapping unaligned read-modify-writes of
-// neighbouring taps would stall on store forwarding.
+// zeros, in image order: row k of dcols is patch row rows[k], and rows[first[m] ..
+// first[m + 1]) are those whose taps land in phase image m of dx. Each image then sums its
+// rows, one vector at a time, each shifted by its tap's offset (shifts[k]). Reads at shifted
+// offsets replace scattered adds: overlapping unaligned read-modify-writes of neighbouring
+// taps would stall on store forwarding.
 struct InputGradPlan {
   int64_t t_pad;     // T wide rounded up to whole vectors (g's rows are zero beyond T wide)
   int64_t lead;      // the largest shift of a tap within its image

@@ -87,10 +87,11 @@ def _time_routes(key, choices: List[Tuple[str, bool]], run: Callable[[Tuple[str,
                  weight_sum: Callable[[], object], input_grad: Optional[Callable[[], object]],
                  rec: Record) -> torch.Tensor:
     """Run each choice TIMED_RUNS times, in turns (the first run pays one-off allocations,
-    the best of the others resists a busy machine) and keep the fastest, counting what each leaves to do: the
-    clipped sum, ``weight_sum`` (a weight-gradient convolution) after routes that keep no
-    per-sample gradients and a weighted sum of the kept ones after the others; and aten's
-    ``input_grad`` where the input gradient is wanted and the route did not write it."""
+    the best of the others resists a busy machine) and keep the fastest, counting what each
+    leaves to do: the clipped sum, ``weight_sum`` (a weight-gradient convolution) after
+    routes that keep no per-sample gradients and a weighted sum of the kept ones after the
+    others; and aten's ``input_grad`` where the input gradient is wanted and the route did
+    not write it. A choice that wrote the input gradient counts FUSED_INPUT_EDGE times its time."""
     def timed(fn):
         _wait_for_device(rec)
         start = time.perf_counter()

@@ -53,7 +53,8 @@ bool run(int64_t batch, int64_t channels, int64_t height, int64_t width, int64_t
     fastdp::conv2d_sq_norms<F>(x.data(), g.data(), c, ghost, out.data(), ghost ? nullptr : grads.data(),
                                bias.data(), weight.data(), dx.data());
     for (double v : out) ok = ok && std::isfinite(v);
-    for (size_t k = 0; k < dx.size(); ++k) ok = ok && std::abs(dx[k] - expected[k]) <= tolerance * (1 + std::abs(expected[k]));
+    for (size_t k = 0; k < dx.size(); ++k)
+      ok = ok && std::abs(dx[k] - expected[k]) <= tolerance * (1 + std::abs(expected[k]));
   }
   fastdp::conv2d_sq_norms<F>(x.data(), g.data(), c, false, out.data(), nullptr, nullptr, nullptr, nullptr);
   for (double v : out) ok = ok && std::isfinite(v);
