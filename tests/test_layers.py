@@ -162,12 +162,20 @@ def test_conv_fused_input_gradient_is_exact(monkeypatch, kernel, stride, padding
         pytest.skip("the fused convolution kernel is not selected (not built, or another FASTDP_BACKEND)")
     monkeypatch.setattr(conv, "_FASTEST_ROUTE", {})
     monkeypatch.setattr(conv, "AUTOTUNE_WITHIN", float("inf"))
+    timed = []
+    original = conv._time_routes
+    monkeypatch.setattr(conv, "_time_routes", lambda key, choices, *rest: timed.append(set(choices)) or
+                        original(key, choices, *rest))
     torch.manual_seed(kernel + stride)
     model = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.Tanh(),
                           nn.Conv2d(6, 12, kernel, stride, padding, dilation, groups), nn.Flatten())
     check_exact(model, [torch.randn(3, 3, 11, 10)])
     second = [key for key in conv._FASTEST_ROUTE if key[-1]]  # the key of the layer whose input needs a gradient
     assert len(second) == 1
+    # the first layer (its input is data) is timed without fused input gradients, the second
+    # with them for its fused routes (ghost, direct and, where offered, direct-keep)
+    fused_counts = sorted(sum(fused for _, fused in choices) for choices in timed)
+    assert len(fused_counts) == 2 and fused_counts[0] == 0 and fused_counts[1] >= 2
     for route in ("ghost", "direct", "direct-keep"):
         for fused_input in (True, False):
             monkeypatch.setitem(conv._FASTEST_ROUTE, second[0], (route, fused_input))
