@@ -150,12 +150,10 @@ def test_conv_autotune_remembers_per_geometry_and_stays_exact(monkeypatch):
         check_exact(model, [torch.randn(3, 3, 9, 9)])
 
 
-@pytest.mark.parametrize("kernel,stride,padding,dilation,groups", [(3, 1, 1, 1, 1), (4, 2, 0, 1, 1),
-                                                                   (3, 2, 2, 2, 2), (2, 3, 1, 1, 3)])
-def test_conv_fused_input_gradient_is_exact(monkeypatch, kernel, stride, padding, dilation, groups):
-    """Where the second convolution's input needs a gradient, the fused kernel's input
-    gradient (each route forced, with and without it) gives the first layer's exact clipped
-    sums; the choice is timed with the others and remembered."""
+def _time_every_conv_geometry(monkeypatch):
+    """Skip unless the fused convolution kernel is selected; else empty the route cache, time
+    every geometry and record the set of choices each timing compares. Returns (the conv
+    module, that list)."""
     import fastdp.layers.conv as conv
 
     if ops.implementation("conv_sq_norms", torch.device("cpu"))[0] == "reference":
@@ -166,6 +164,16 @@ def test_conv_fused_input_gradient_is_exact(monkeypatch, kernel, stride, padding
     original = conv._time_routes
     monkeypatch.setattr(conv, "_time_routes", lambda key, choices, *rest: timed.append(set(choices)) or
                         original(key, choices, *rest))
+    return conv, timed
+
+
+@pytest.mark.parametrize("kernel,stride,padding,dilation,groups", [(3, 1, 1, 1, 1), (4, 2, 0, 1, 1),
+                                                                   (3, 2, 2, 2, 2), (2, 3, 1, 1, 3)])
+def test_conv_fused_input_gradient_is_exact(monkeypatch, kernel, stride, padding, dilation, groups):
+    """Where the second convolution's input needs a gradient, the fused kernel's input
+    gradient (each route forced, with and without it) gives the first layer's exact clipped
+    sums; the choice is timed with the others and remembered."""
+    conv, timed = _time_every_conv_geometry(monkeypatch)
     torch.manual_seed(kernel + stride)
     model = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.Tanh(),
                           nn.Conv2d(6, 12, kernel, stride, padding, dilation, groups), nn.Flatten())
@@ -186,16 +194,7 @@ def test_conv_direct_keep_route_is_timed_and_exact(monkeypatch):
     """Where the kept per-sample gradients would hold 1-4x the elements of x and g, the fused
     direct route that keeps them (transposed, read in place by the weighted sum) is timed
     with the others; forced, it gives the exact clipped sums too."""
-    import fastdp.layers.conv as conv
-
-    if ops.implementation("conv_sq_norms", torch.device("cpu"))[0] == "reference":
-        pytest.skip("the fused convolution kernel is not selected (not built, or another FASTDP_BACKEND)")
-    monkeypatch.setattr(conv, "_FASTEST_ROUTE", {})
-    monkeypatch.setattr(conv, "AUTOTUNE_WITHIN", float("inf"))
-    timed = []
-    original = conv._time_routes
-    monkeypatch.setattr(conv, "_time_routes", lambda key, choices, *rest: timed.append(set(choices)) or
-                        original(key, choices, *rest))
+    conv, timed = _time_every_conv_geometry(monkeypatch)
     torch.manual_seed(3)
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten())  # 4x4 input: |W| = 216, x + g = 48 + 32
     check_exact(model, [torch.randn(3, 3, 4, 4)])
