@@ -102,7 +102,7 @@ def _time_routes(key, choices: List[Tuple[str, bool]], run: Callable[[Tuple[str,
     request: Optional[InputGradRequest] = rec.activation[2]
     sum_time = min(timed(weight_sum)[1] for _ in range(2))
     input_time = min(timed(input_grad)[1] for _ in range(2)) if input_grad is not None else 0.0
-    best, results = {}, {}
+    fastest, result = math.inf, None  # the fastest run so far and what it left (one run's tensors held)
     for choice in choices * TIMED_RUNS:
         rec.cache.pop("weight", None)
         if request is not None:
@@ -119,11 +119,11 @@ def _time_routes(key, choices: List[Tuple[str, bool]], run: Callable[[Tuple[str,
             elapsed += input_time
         elif grad_input is not None:
             elapsed *= FUSED_INPUT_EDGE
-        best[choice] = min(best.get(choice, math.inf), elapsed)
-        results[choice] = (out, kept, grad_input)
-    choice = min(best, key=best.get)
+        if elapsed < fastest:
+            fastest, result = elapsed, (choice, out, kept, grad_input)
+        del out, kept, grad_input
+    choice, out, kept, grad_input = result
     _FASTEST_ROUTE[key] = choice
-    out, kept, grad_input = results[choice]
     rec.cache.pop("weight", None)
     if kept is not None:
         rec.cache["weight"] = kept
