@@ -9,7 +9,9 @@ name, so two files imported under the same name would give one module twice) and
 engine's kernels are switched between them step by step, in alternating order, with the
 non-private step of the same model timed beside them. Prints, per config, each build's
 step time as a ratio to the non-private step (minimum and median) and the median of the
-paired differences (new - old), which host drift hits least.
+paired differences (new - old), which host drift hits least. The Python wrappers of this
+checkout call both builds, so the two must have the same bindings (e.g. a build from before
+the convolution kernel took the input gradient's arguments cannot be compared with one after).
 """
 from __future__ import annotations
 
