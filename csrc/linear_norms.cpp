@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <memory>
 #include <new>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -734,18 +735,21 @@ void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& c, bool ghost
   const WideLayout wide(c, cin);
   const int64_t p_pad = (p + W - 1) / W * W;
   std::vector<double> partial(c.batch * groups);
-  const InputGradPlan plan(c, cin, wide, W);
+  std::optional<InputGradPlan> plan;    // only where the input gradient is asked for
   std::vector<F> wt(grad_input ? groups * d * p : 0);  // each group's weight transposed, (d, p)
-  for (int64_t grp = 0; grp < groups && grad_input; ++grp)
-    for (int64_t j = 0; j < p; ++j)
-      for (int64_t row = 0; row < d; ++row) wt[(grp * d + row) * p + j] = weight[(grp * p + j) * d + row];
+  if (grad_input) {
+    plan.emplace(c, cin, wide, W);
+    for (int64_t grp = 0; grp < groups; ++grp)
+      for (int64_t j = 0; j < p; ++j)
+        for (int64_t row = 0; row < d; ++row) wt[(grp * d + row) * p + j] = weight[(grp * p + j) * d + row];
+  }
 #pragma omp parallel
   {
     Scratch<F> phases(wide.phase_elements()), cols(ghost ? d * wide.T : 0), gw(wide.T * p_pad),
         pa(TB * std::max(d, TC)), pg(TB * p);
-    Scratch<F> gin(grad_input ? plan.g_elements(p) : 0), dcols(grad_input ? plan.cols_elements(d) : 0),
-        dx_images(grad_input ? InputGradPlan::image_elements(wide, W) : 0);
-    if (grad_input) std::fill(dcols.get(), dcols.get() + plan.cols_elements(d), F(0));
+    Scratch<F> gin(plan ? plan->g_elements(p) : 0), dcols(plan ? plan->cols_elements(d) : 0),
+        dx_images(plan ? InputGradPlan::image_elements(wide, W) : 0);
+    if (plan) std::fill(dcols.get(), dcols.get() + plan->cols_elements(d), F(0));
     std::vector<const F*> patch_rows(d);  // the patch rows, in place in `phases`
     for (int64_t row = 0; row < d; ++row) patch_rows[row] = phases.get() + patch_row_offset(c, cin, wide, row);
     Scratch<Vec<F>> ga(TB * TB / W), gg(TB * TB / W);
@@ -777,8 +781,8 @@ void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& c, bool ghost
           }
       }
       partial[item] = total;
-      if (grad_input)
-        input_grad_isa(gi, wt.data() + grp * d * p, c, cin, p, wide, plan, gin.get(), dcols.get(), dx_images.get(),
+      if (plan)
+        input_grad_isa(gi, wt.data() + grp * d * p, c, cin, p, wide, *plan, gin.get(), dcols.get(), dx_images.get(),
                        grad_input + (i * c.channels + grp * cin) * c.height * c.width);
     }
   }

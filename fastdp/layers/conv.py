@@ -168,6 +168,14 @@ def _convolution_backward(grad_out, x, weight, spec: ConvSpec, groups, mask):
     )
 
 
+def _aten_input_grad(grad_out, x, weight, spec: ConvSpec) -> torch.Tensor:
+    """aten's input gradient, in ``grad_out``'s dtype (under autocast x may be float32 while
+    grad_out is bfloat16: one dtype for aten)."""
+    dtype = grad_out.dtype
+    return _convolution_backward(grad_out, as_dtype(x, dtype), as_dtype(weight, dtype), spec, spec.groups,
+                                 [True, False, False])[0]
+
+
 class _ConvFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, spec: ConvSpec, tap):
@@ -184,13 +192,10 @@ class _ConvFn(torch.autograd.Function):
         grad_x = None
         if request is not None:
             grad_x, request.grad = request.grad, None
-            # under autocast x may be float32 while grad_out is bfloat16: one dtype for aten
-            dtype = grad_out.dtype
             if grad_x is None:
-                grad_x = _convolution_backward(grad_out, as_dtype(x, dtype), as_dtype(weight, dtype), ctx.spec,
-                                               ctx.spec.groups, [True, False, False])[0]
+                grad_x = _aten_input_grad(grad_out, x, weight, ctx.spec)
             else:
-                grad_x = as_dtype(grad_x, dtype)
+                grad_x = as_dtype(grad_x, grad_out.dtype)
         return grad_x, None, None, None, None
 
 
@@ -317,10 +322,7 @@ class ConvRule(LayerRule):
             return self._route(*choices[0], rec)
         weight_sum = lambda: _convolution_backward(g, x.to(g.dtype), weight.shape, spec, spec.groups,  # noqa: E731
                                                    [False, True, False])
-        input_grad = None
-        if fused_input:
-            input_grad = lambda: _convolution_backward(g, x.to(g.dtype), weight.to(g.dtype), spec,  # noqa: E731
-                                                       spec.groups, [True, False, False])
+        input_grad = (lambda: _aten_input_grad(g, x, weight, spec)) if fused_input else None
         return _time_routes(key, choices, lambda choice: self._route(*choice, rec), weight_sum, input_grad, rec)
 
     def _route(self, name: str, fused_input: bool, rec: Record) -> torch.Tensor:
