@@ -91,6 +91,8 @@ class LinearRule(LayerRule):
 
     def prepare(self, rec: Record) -> None:
         rec.activation, rec.grad_output = _rows(rec.activation), _rows(rec.grad_output)
+        if self._seq(rec) == 1:  # cheap, and its operands are still in cache: do it now
+            rec.norms["weight"], rec.norms["bias"] = ops.outer_sq_norms(rec.activation, rec.grad_output)
 
     @staticmethod
     def _seq(rec: Record) -> int:
@@ -103,9 +105,8 @@ class LinearRule(LayerRule):
         return a.view(batch, seq, a.shape[1]), g.view(batch, seq, g.shape[1])
 
     def sq_norms(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
-        if self._seq(rec) == 1:  # one row per sample: the bias gradient is g_i, the weight's g_i a_i^T
-            weight, bias = ops.outer_sq_norms(rec.activation, rec.grad_output)
-            return {name: weight if name == "weight" else bias for name in names}
+        if self._seq(rec) == 1:  # found by prepare
+            return {name: rec.norms[name] for name in names}
         out = {}
         for name in names:
             if name == "weight":
