@@ -91,7 +91,9 @@ class LinearRule(LayerRule):
 
     def prepare(self, rec: Record) -> None:
         rec.activation, rec.grad_output = _rows(rec.activation), _rows(rec.grad_output)
-        if self._seq(rec) == 1:  # cheap, and its operands are still in cache: do it now
+        # One row per sample: the bias gradient is g_i, the weight's g_i a_i^T, and both norms
+        # are cheap; found now, while a and g are still in cache.
+        if self._seq(rec) == 1:
             rec.norms["weight"], rec.norms["bias"] = ops.outer_sq_norms(rec.activation, rec.grad_output)
 
     @staticmethod
