@@ -27,6 +27,18 @@ from fastdp.clipping import make_clipping
 from fastdp.engine import GradSampleEngine
 
 
+_MASK64 = 2**64 - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # odd: key + n * golden is distinct for every n < 2^64
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64's output function (Steele et al. 2014), a bijection of 64-bit integers."""
+    x &= _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
 class DPOptimizer(torch.optim.Optimizer):
     """Wraps ``optimizer`` so that each ``step()`` is a DP-SGD step.
 
@@ -85,8 +97,8 @@ class DPOptimizer(torch.optim.Optimizer):
         self.clipping = make_clipping(clipping, max_grad_norm, params, gamma)
         self.max_grad_norm = max_grad_norm
         self.engine = GradSampleEngine(module, params, self.clipping, loss_reduction, nonfinite)
-        self._seeds = torch.Generator()
-        self._seeds.manual_seed(seed if seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+        self._noise_key = (seed if seed is not None else int.from_bytes(os.urandom(8), "little")) & _MASK64
+        self._noise_draws = 0  # seeds handed out so far: the next one is a function of (key, draws)
         self.secure_mode = bool(secure_mode)
         self.steps = 0
         self._skip_next_step = False  # set by BatchMemoryManager for non-final chunks
@@ -144,7 +156,11 @@ class DPOptimizer(torch.optim.Optimizer):
         return self.accountant.epsilon(delta)
 
     def next_seed(self) -> int:
-        return int(torch.randint(0, 2**62, (1,), generator=self._seeds).item())
+        """The noise seed of the next step: ``splitmix64(key + n * golden)`` for the n-th draw, so
+        no two draws of a run share a seed (a bijection of distinct inputs) and the stream is
+        checkpointed by two integers. Pure Python: no tensor op on the step's critical path."""
+        self._noise_draws += 1
+        return _splitmix64(self._noise_key + self._noise_draws * _GOLDEN)
 
     def noisy_average(self, sums: List[torch.Tensor], divisor: float) -> List[torch.Tensor]:
         """``(sums + N(0, noise_std^2 I)) / divisor``, from the seeded stream or, in secure mode, OS entropy."""
@@ -198,10 +214,15 @@ class DPOptimizer(torch.optim.Optimizer):
         return {
             "optimizer": self.original_optimizer.state_dict(),
             "steps": self.steps,
-            "noise_seed_state": self._seeds.get_state(),
+            "noise_seed_state": {"key": self._noise_key, "draws": self._noise_draws},
         }
 
     def load_state_dict(self, state_dict) -> None:
         self.original_optimizer.load_state_dict(state_dict["optimizer"])
         self.steps = state_dict["steps"]
-        self._seeds.set_state(state_dict["noise_seed_state"])
+        seeds = state_dict["noise_seed_state"]
+        if not isinstance(seeds, dict):
+            raise ValueError("this optimizer state was written by an older fastdp, whose noise seeds came from a "
+                             "torch.Generator: it cannot resume the same noise stream; resume with that version "
+                             "or start the run again")
+        self._noise_key, self._noise_draws = int(seeds["key"]), int(seeds["draws"])

@@ -129,6 +129,11 @@ def test_refusals():
     state["accountant"] = None
     with pytest.raises(ValueError, match="restart from zero"):
         checkpoint.load_state_dict(state, model=bare_model, optimizer=build()[1])
+    old = build()[1]
+    old_state = old.state_dict()
+    old_state["noise_seed_state"] = torch.Generator().get_state()  # how older versions stored it
+    with pytest.raises(ValueError, match="older fastdp"):
+        old.load_state_dict(old_state)
 
 
 @pytest.mark.parametrize("name", ["pld", "rdp"])

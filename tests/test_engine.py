@@ -159,6 +159,24 @@ def test_noise_is_fresh_every_step_and_reproducible_with_seed():
     assert not torch.equal(draws, _noise_only_grads(steps=5, seed=8))
 
 
+def test_step_seeds_are_distinct_reproducible_and_resumable():
+    def optimizer(seed):
+        model = nn.Linear(2, 2)
+        return fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), module=model, noise_multiplier=1.0,
+                                  max_grad_norm=1.0, expected_batch_size=4, seed=seed)
+
+    first = optimizer(7)
+    seeds = [first.next_seed() for _ in range(10_000)]
+    assert len(set(seeds)) == len(seeds) and all(0 <= s < 2**64 for s in seeds)
+    assert len({s >> 63 for s in seeds}) == 2  # the top bit varies: all 64 bits are used
+    again = optimizer(7)
+    assert [again.next_seed() for _ in range(100)] == seeds[:100]
+    resumed = optimizer(8)
+    resumed.load_state_dict(again.state_dict())
+    assert [resumed.next_seed() for _ in range(100)] == seeds[100:200]
+    assert optimizer(8).next_seed() not in seeds
+
+
 def test_noise_added_once_per_logical_step_with_accumulation():
     torch.manual_seed(8)
     model = nn.Linear(30, 30, bias=False)
