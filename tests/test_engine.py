@@ -50,6 +50,19 @@ def test_frozen_parameters_are_ignored():
     check_exact(model, [torch.randn(4, 5)])
 
 
+@pytest.mark.parametrize("dim", [1, 2, 3])
+def test_convolution_with_frozen_weight_clips_its_bias(dim):
+    """The bias's per-sample gradients need the weight's shape only (it used to be looked up
+    among the trainable parameters: KeyError)."""
+    torch.manual_seed(dim)
+    conv = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}[dim]
+    model = nn.Sequential(conv(2, 3, 2), nn.Tanh(), conv(3, 2, 2), nn.Flatten(), nn.Linear(2 * 2 ** dim, 2))
+    model[2].weight.requires_grad_(False)
+    names = trainable_names(model)
+    assert "2.weight" not in names and "2.bias" in names
+    check_exact(model, [torch.randn(3, 2, *[4] * dim)])
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("mode", ["flat", "per_layer", "automatic"])
 def test_reductions_and_clipping_modes(reduction, mode):

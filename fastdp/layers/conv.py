@@ -249,8 +249,9 @@ class ConvRule(LayerRule):
     # -- per-sample math ---------------------------------------------------------------
     @staticmethod
     def _shapes(rec: Record):
+        """x, spec and the weight (the module's own where it is frozen: its shape is still needed)."""
         x, spec = rec.activation[:2]
-        return x, spec, rec.param("weight")
+        return x, spec, rec.params.get("weight", rec.module.weight)
 
     @staticmethod
     def _linear_dims(g: torch.Tensor, spec: ConvSpec, weight: torch.Tensor):
