@@ -123,7 +123,15 @@ class GradSampleEngine:
     # -- after each backward pass ---------------------------------------------------------
     def _finish_backward(self) -> None:
         records, self._pending, self._callback_queued = self._pending, [], False
-        self._check_foreign_grads()
+        if torch._C._current_autograd_node() is not None:
+            # A backward pass run from inside another one's node (reentrant checkpointing): its
+            # callback would clip the samples' gradients of this inner part on their own.
+            raise UnsupportedModuleError(
+                "a backward pass ran inside another one (torch.utils.checkpoint with use_reentrant=True?) "
+                "and reached hooked layers first: fastdp would clip that part of each sample's gradient "
+                "on its own; use torch.utils.checkpoint(..., use_reentrant=False)"
+            )
+        self.check_foreign_grads()
         if not records:
             return
         batch = self._batch_size(records)
@@ -254,7 +262,7 @@ class GradSampleEngine:
         """Take the parameters' present ``.grad`` tensors as the engine's own (after a step)."""
         self._owned_grads = {p: (p.grad, p.grad._version) for p in self.params if p.grad is not None}
 
-    def _check_foreign_grads(self) -> None:
+    def check_foreign_grads(self) -> None:
         """Autograd never writes ``.grad`` of a hooked parameter: a new or changed one means the
         parameter was used outside its layer's forward, where fastdp cannot clip it."""
         for p in self.params:

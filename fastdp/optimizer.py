@@ -171,6 +171,7 @@ class DPOptimizer(torch.optim.Optimizer):
     def privatise_grads(self) -> None:
         """Write ``(sum of clipped grads + N(0, (sigma C)^2)) / expected_batch_size`` into ``.grad``."""
         params = self.engine.params
+        self.engine.check_foreign_grads()  # also where no hooked layer ran, so no backward callback did
         grads = self.noisy_average(self.engine.take_sums(), float(self.expected_batch_size))
         for p, g in zip(params, grads):
             p.grad = g

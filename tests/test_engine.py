@@ -63,6 +63,58 @@ def test_convolution_with_frozen_weight_clips_its_bias(dim):
     check_exact(model, [torch.randn(3, 2, *[4] * dim)])
 
 
+class _EmbedNormLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.norm, self.head = nn.Embedding(9, 4), nn.LayerNorm(4), nn.Linear(4, 3)
+
+    def forward(self, ids):
+        self.hidden = self.emb(ids)  # kept: a tensor to differentiate with respect to
+        return self.head(self.norm(self.hidden)).sum(1)
+
+
+class _ConvGroupNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.norm, self.head = nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4), nn.Linear(4 * 9, 3)
+
+    def forward(self, x):
+        self.hidden = x
+        return self.head(self.norm(self.conv(x)).flatten(1))
+
+
+def _clipped_grads(build, extra):
+    """Noiseless clipped sums of one backward pass, after an ``extra`` pass on the same graph."""
+    torch.manual_seed(11)
+    model = build()
+    inputs = torch.randint(0, 9, (4, 3)) if build is _EmbedNormLinear else torch.randn(4, 2, 5, 5, requires_grad=True)
+    opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), module=model, noise_multiplier=0.0,
+                             max_grad_norm=0.05, expected_batch_size=1, loss_reduction="sum")
+    loss = model(inputs).square().sum()
+    if extra == "autograd.grad":  # e.g. an input gradient for a gradient penalty or saliency
+        torch.autograd.grad(loss, model.hidden, retain_graph=True)
+    elif extra == "backward(inputs=hidden)":
+        loss.backward(inputs=[model.hidden], retain_graph=True)
+    elif extra == "backward(inputs=head.bias)":
+        loss.backward(inputs=[model.head.bias], retain_graph=True)
+        assert list(opt.engine.summed) == [model.head.bias]  # that parameter only
+        opt.engine.clear()
+    assert not opt.engine.summed
+    loss.backward()
+    opt.step()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("extra", ["autograd.grad", "backward(inputs=hidden)", "backward(inputs=head.bias)"])
+@pytest.mark.parametrize("build", [_EmbedNormLinear, _ConvGroupNorm])
+def test_backward_passes_that_accumulate_no_parameter_gradient_add_no_clipped_sum(build, extra):
+    """Every rule's Function fired in any backward pass: an input gradient taken before the
+    real backward added a second clipped sum, so one sample moved the weights by up to 2C."""
+    want = _clipped_grads(build, None)
+    got = _clipped_grads(build, extra)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("mode", ["flat", "per_layer", "automatic"])
 def test_reductions_and_clipping_modes(reduction, mode):

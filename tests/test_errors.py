@@ -72,6 +72,39 @@ def test_parameter_used_outside_its_layer_is_caught():
         model(torch.randn(4, 3)).sum().backward()
 
 
+def test_parameter_used_only_outside_its_layer_is_caught_at_step():
+    """No hooked layer ran, so no backward callback did: step() must still notice the
+    unclipped gradient instead of overwriting it with noise."""
+    model = nn.Linear(5, 2)
+    opt = make(model)
+    F.linear(torch.randn(4, 5), model.weight, model.bias).square().sum().backward()
+    with pytest.raises(fastdp.UnsupportedModuleError, match="'weight'.*outside"):
+        opt.step()
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_reentrant_checkpoint_next_to_the_loss_is_refused(reentrant):
+    """The inner backward pass of reentrant checkpointing reached the hooked layers first, and
+    its callback clipped that part of each sample's gradient on its own (up to sqrt(2) C)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    first, last = nn.Linear(5, 5), nn.Linear(5, 3)
+    model = nn.Sequential(first, last)
+    opt = make(model, noise_multiplier=0.0, max_grad_norm=0.1, expected_batch_size=1, loss_reduction="sum")
+    out = checkpoint(last, torch.tanh(first(torch.randn(1, 5))), use_reentrant=reentrant)
+    if reentrant:
+        with pytest.raises(fastdp.UnsupportedModuleError, match="use_reentrant=False"):
+            (out * 10).square().sum().backward()
+        return
+    (out * 10).square().sum().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.param_groups[0]["lr"] = 1.0
+    opt.step()
+    moved = torch.cat([(p - b).flatten() for p, b in zip(model.parameters(), before)])
+    assert float(moved.norm()) <= 0.1 * (1 + 1e-6)  # one sample: clipped to C as a whole
+
+
 def test_optimizer_params_must_belong_to_module():
     model, other = nn.Linear(3, 2), nn.Linear(2, 2)
     with pytest.raises(fastdp.UnsupportedModuleError, match="not parameters of the module"):

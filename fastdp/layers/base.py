@@ -75,9 +75,14 @@ class Record:
         self.cache = {k: zeroed(v) for k, v in self.cache.items()}
 
 
+# Where each parameter sits among the inputs of every rule's autograd Function:
+# (input, weight, bias, ...).
+FUNCTION_INPUT_INDEX = {"weight": 1, "bias": 2}
+
+
 class Tap:
     """Created per forward call with the trainable parameters it used (by name); the
-    Function's backward calls :meth:`fire` with what it saw."""
+    Function's backward calls :meth:`fire` with its ``ctx`` and what it saw."""
 
     __slots__ = ("sink", "module", "rule", "params")
 
@@ -85,11 +90,30 @@ class Tap:
                  params: Dict[str, torch.Tensor]):
         self.sink, self.module, self.rule, self.params = sink, module, rule, params
 
-    def fire(self, activation: Any, grad_output: torch.Tensor) -> None:
-        """Hand over what backward saw; half-precision tensors are widened to float32 so that
-        norms, coefficients and clipped sums all accumulate in float32 (mixed precision)."""
-        self.sink(Record(self.module, self.rule, self.params, _widen(activation), _widen(grad_output),
-                         grad_output.shape[0]))
+    def fire(self, ctx, activation: Any, grad_output: torch.Tensor) -> None:
+        """Hand over what backward saw, for the parameters whose gradients this backward pass
+        accumulates (none under ``torch.autograd.grad`` or ``backward(inputs=...)`` without
+        them: such a pass must add no clipped sum). Half-precision tensors are widened to
+        float32 so that norms, coefficients and clipped sums accumulate in float32."""
+        params = _accumulated(ctx, self.params)
+        if params:
+            self.sink(Record(self.module, self.rule, params, _widen(activation), _widen(grad_output),
+                             grad_output.shape[0]))
+
+
+def _accumulated(ctx, params: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The entries of ``params`` whose gradient accumulator the running backward pass executes,
+    found from the Function's ``ctx`` (its node: ``next_functions`` are its inputs' nodes)."""
+    kept = {}
+    for name, p in params.items():
+        node = ctx.next_functions[FUNCTION_INPUT_INDEX[name]][0]
+        try:
+            runs = torch._C._will_engine_execute_node(node)
+        except RuntimeError:  # raised for a leaf's node under torch.autograd.grad, which accumulates nothing
+            runs = False
+        if runs:
+            kept[name] = p
+    return params if len(kept) == len(params) else kept
 
 
 def _widen(x: Any) -> Any:

@@ -188,7 +188,7 @@ class _ConvFn(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         request = InputGradRequest(weight) if ctx.needs_input_grad[0] else None
-        ctx.tap.fire((x, ctx.spec, request), grad_out)
+        ctx.tap.fire(ctx, (x, ctx.spec, request), grad_out)
         grad_x = None
         if request is not None:
             grad_x, request.grad = request.grad, None

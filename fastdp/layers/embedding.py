@@ -27,7 +27,7 @@ class _EmbeddingFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         (ids,) = ctx.saved_tensors
-        ctx.tap.fire(ids, grad_out)
+        ctx.tap.fire(ctx, ids, grad_out)
         return None, None, None, None
 
 

@@ -34,7 +34,7 @@ class _LinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        ctx.tap.fire(x, grad_out)
+        ctx.tap.fire(ctx, x, grad_out)
         grad_x = grad_out.matmul(as_dtype(weight, grad_out.dtype)) if ctx.needs_input_grad[0] else None
         return grad_x, None, None, None
 

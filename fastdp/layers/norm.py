@@ -48,7 +48,7 @@ class _AffineFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x_hat, weight = ctx.saved_tensors
-        ctx.tap.fire((x_hat, ctx.channel_dim), grad_out)
+        ctx.tap.fire(ctx, (x_hat, ctx.channel_dim), grad_out)
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = grad_out if weight is None else grad_out * _param_view(weight, x_hat, ctx.channel_dim)
@@ -104,7 +104,7 @@ class _FusedLayerNormFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, bias, mean, rstd = ctx.saved_tensors
-        ctx.tap.fire(((x - mean) * rstd, False), grad_out)
+        ctx.tap.fire(ctx, ((x - mean) * rstd, False), grad_out)
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = torch.ops.aten.native_layer_norm_backward(
@@ -127,7 +127,7 @@ class _FusedGroupNormFn(torch.autograd.Function):
         grad_x, weight_grads, bias_grads = ops.group_norm_backward(
             grad_out, x, mean, rstd, weight, ctx.groups, ctx.needs_input_grad[0])
         # the per-sample gradients come with the input gradient: x_hat is never built
-        ctx.tap.fire(({"weight": weight_grads, "bias": bias_grads}, True), grad_out)
+        ctx.tap.fire(ctx, ({"weight": weight_grads, "bias": bias_grads}, True), grad_out)
         return grad_x, None, None, None, None, None
 
 
