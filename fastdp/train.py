@@ -17,6 +17,7 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -55,7 +56,8 @@ class TrainConfig:
     max_grad_norm: Optional[float] = None
     activation: str = "tanh"
     accountant: str = "pld"
-    seed: int = 0
+    seed: int = 0  # model initialisation and --subset: public randomness
+    dp_seed: Optional[int] = None  # noise and Poisson batches; None: OS entropy (keep it secret)
     subset: Optional[int] = None
     data_dir: Optional[str] = None
     progress: bool = True
@@ -172,7 +174,7 @@ def train(config: TrainConfig) -> TrainResult:
     model, optimizer, loader = make_private(
         module=model, optimizer=base, data_loader=loader, max_grad_norm=cfg.max_grad_norm,
         target_epsilon=cfg.target_epsilon, target_delta=cfg.delta, epochs=cfg.epochs,
-        accountant=cfg.accountant, seed=cfg.seed,
+        accountant=cfg.accountant, seed=cfg.dp_seed,
     )
     steps_per_epoch = len(loader)
     result = TrainResult(metrics={})
@@ -267,8 +269,12 @@ def run(args: argparse.Namespace) -> int:
         dataset=args.dataset, target_epsilon=args.target_epsilon, delta=args.delta, epochs=args.epochs,
         batch_size=args.batch_size, lr=args.lr, momentum=args.momentum,
         max_grad_norm=args.max_grad_norm, activation=args.activation, accountant=args.accountant,
-        seed=args.seed, subset=args.subset, data_dir=args.data_dir, progress=not args.no_progress,
+        seed=args.seed, dp_seed=args.dp_seed, subset=args.subset, data_dir=args.data_dir,
+        progress=not args.no_progress,
     )
+    if args.dp_seed is not None:
+        print("fastdp train: --dp-seed makes the noise and the batches reproducible; epsilon holds only "
+              "while that seed stays secret (leave --dp-seed out for a release)", file=sys.stderr)
     try:
         result = train(config)
     except DatasetNotFoundError as exc:
@@ -310,7 +316,9 @@ def register(subparsers) -> None:
     p.add_argument("--max-grad-norm", type=_positive_float, help="clipping bound C; default 0.1")
     p.add_argument("--activation", choices=sorted(ACTIVATIONS), default="tanh")
     p.add_argument("--accountant", default="pld", help="privacy accountant: pld (tight) or rdp")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds the model's initial weights and --subset")
+    p.add_argument("--dp-seed", type=int, help="seeds the noise and the Poisson batches, for reproducible "
+                                               "experiments; default: OS entropy, as a private release needs")
     p.add_argument("--subset", type=int, help="train on this many training examples only")
     p.add_argument("--data-dir", help="directory of the Fashion-MNIST IDX files "
                                       "(default /usr/share/datasets/fashion-mnist)")

@@ -43,7 +43,8 @@ def _check_privacy(metrics, target_epsilon):
 
 def test_fashion_mnist_one_epoch_on_a_subset_learns(tmp_path, capsys):
     m = _run(tmp_path, "--dataset", "fashion-mnist", "--target-epsilon", "3", "--delta", "1e-5",
-             "--subset", "2000", "--epochs", "1", "--batch-size", "64", "--lr", "2", "--seed", "1")
+             "--subset", "2000", "--epochs", "1", "--batch-size", "64", "--lr", "2", "--seed", "1",
+             "--dp-seed", "1")
     assert set(m) == KEYS
     assert m["test_accuracy"] > 0.35  # chance is 0.10
     assert m["steps"] == round(2000 / 64)
@@ -57,10 +58,27 @@ def test_fashion_mnist_one_epoch_on_a_subset_learns(tmp_path, capsys):
 
 def test_digits_smoke_run(tmp_path):
     pytest.importorskip("sklearn", reason="--dataset digits needs scikit-learn (fastdp[data])")
-    m = _run(tmp_path, "--dataset", "digits", "--target-epsilon", "3", "--delta", "1e-5")
+    m = _run(tmp_path, "--dataset", "digits", "--target-epsilon", "3", "--delta", "1e-5", "--dp-seed", "0")
     assert set(m) == KEYS
     assert m["test_accuracy"] > 0.5
     _check_privacy(m, 3.0)
+
+
+def test_noise_and_batches_are_secret_unless_a_dp_seed_is_given(tmp_path, capsys, monkeypatch):
+    """A known seed gives away the noise and the batches: by default make_private gets no seed
+    (OS entropy); --dp-seed (reproducible experiments) is passed on, with a warning. --seed
+    (the model's initial weights) never reaches the noise or the sampler."""
+    pytest.importorskip("sklearn")
+    import fastdp.train as train_module
+
+    seen = []
+    real = train_module.make_private
+    monkeypatch.setattr(train_module, "make_private", lambda **kw: seen.append(kw["seed"]) or real(**kw))
+    runs = [_run(tmp_path, "--dataset", "digits", "--epochs", "1", "--seed", "3", *extra)
+            for extra in ([], ["--dp-seed", "5"], ["--dp-seed", "5"])]
+    assert seen == [None, 5, 5]
+    assert capsys.readouterr().err.count("--dp-seed makes the noise and the batches reproducible") == 2
+    assert runs[1]["test_accuracy"] == runs[2]["test_accuracy"]
 
 
 def test_plot_is_written(tmp_path):
