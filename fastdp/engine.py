@@ -242,8 +242,11 @@ class GradSampleEngine:
         return (~finite).to(next(iter(sq_norms.values())).device)
 
     def _accumulate(self, p: torch.Tensor, s: torch.Tensor) -> None:
-        if s.dtype != p.dtype:  # rules return fresh tensors: no copy needed otherwise
-            s = s.to(p.dtype)
+        """Add a clipped sum, kept in the compute dtype (float32 for half-precision parameters):
+        rounded to the parameter's dtype only once, after the noise (the optimizer does that)."""
+        dtype = compute_dtype(p.dtype)
+        if s.dtype != dtype:  # rules return fresh tensors: no copy needed otherwise
+            s = s.to(dtype)
         if s.shape != p.shape:
             s = s.view_as(p)
         if p in self.summed:
@@ -281,9 +284,11 @@ class GradSampleEngine:
 
     # -- for the optimizer -----------------------------------------------------------------
     def take_sums(self) -> List[torch.Tensor]:
-        """Clipped sums of all parameters (zeros where nothing was seen), and reset."""
+        """Clipped sums of all parameters (zeros where nothing was seen), in the compute dtype,
+        and reset."""
         sums = [self.summed.pop(p, None) for p in self.params]
-        sums = [torch.zeros_like(p) if s is None else s for p, s in zip(self.params, sums)]
+        sums = [torch.zeros_like(p, dtype=compute_dtype(p.dtype)) if s is None else s
+                for p, s in zip(self.params, sums)]
         self.summed.clear()
         self.samples_seen = 0
         return sums

@@ -165,7 +165,8 @@ class DPOptimizer(torch.optim.Optimizer):
     def noisy_average(self, sums: List[torch.Tensor], divisor: float) -> List[torch.Tensor]:
         """``(sums + N(0, noise_std^2 I)) / divisor``, from the seeded stream or, in secure mode, OS entropy."""
         if self.secure_mode:
-            return secure.secure_noisy_average(sums, self.noise_std, divisor)
+            return secure.secure_noisy_average(sums, self.noise_std, divisor,
+                                               [p.dtype for p in self.engine.params])
         return ops.noisy_average(sums, self.noise_std, divisor, self.next_seed(), inplace=True)
 
     def privatise_grads(self) -> None:
@@ -174,7 +175,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self.engine.check_foreign_grads()  # also where no hooked layer ran, so no backward callback did
         grads = self.noisy_average(self.engine.take_sums(), float(self.expected_batch_size))
         for p, g in zip(params, grads):
-            p.grad = g
+            p.grad = g if g.dtype == p.dtype else g.to(p.dtype)  # half precision: rounded once, here
         self.engine.adopt_current_grads()
 
     def step(self, closure=None):

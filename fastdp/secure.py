@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -36,18 +36,20 @@ def os_entropy(bits: int = 256) -> int:
     return int.from_bytes(os.urandom((bits + 7) // 8), "little") >> (-bits % 8)
 
 
-def secure_noisy_average(sums: Sequence[torch.Tensor], std: float, divisor: float) -> List[torch.Tensor]:
-    """``(s + std * z) / divisor`` per tensor, ``z ~ N(0, I)`` drawn as described in the module."""
+def secure_noisy_average(sums: Sequence[torch.Tensor], std: float, divisor: float,
+                         dtypes: Optional[Sequence[torch.dtype]] = None) -> List[torch.Tensor]:
+    """``(s + std * z) / divisor`` per tensor, ``z ~ N(0, I)`` drawn as described in the module,
+    rounded once to ``dtypes`` (default: each sum's own dtype)."""
     if not sums:
         return []
     gen = torch.Generator(device=sums[0].device)
     gen.manual_seed(os_entropy(64))
     out = []
-    for s in sums:
+    for s, dtype in zip(sums, dtypes or [s.dtype for s in sums]):
         acc = s.to(torch.float64)
         if std > 0:
             z = torch.randn(s.shape, generator=gen, dtype=torch.float64, device=s.device)
             z += torch.randn(s.shape, generator=gen, dtype=torch.float64, device=s.device)
             acc = acc.add_(z, alpha=std / math.sqrt(2))
-        out.append(acc.div_(divisor).to(s.dtype))
+        out.append(acc.div_(divisor).to(dtype))
     return out

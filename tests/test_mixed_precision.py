@@ -145,3 +145,22 @@ def test_fused_norms_under_cpu_autocast(monkeypatch, make, shape):
     opt.step()
     for p, q in zip(model.parameters(), plain.parameters()):
         assert (p.grad - q.grad).norm() <= 2e-2 * q.grad.norm()  # measured: <= 7.3e-3
+
+
+@pytest.mark.parametrize("secure", [False, True])
+def test_half_precision_sums_are_rounded_once_after_the_noise(secure):
+    """bf16 parameters: the clipped sum stays float32 until the noise is added. Rounded to bf16
+    first (ulp 32 at 4112), a sum of 4112 unit contributions plus noise of std 1 came out as
+    exactly 4096 every time: the noise was rounded away."""
+    grads = []
+    for seed in range(24):  # secure mode: all 24 on one side of 4112 with probability 1e-7
+        layer = nn.Linear(1, 1, bias=False).to(torch.bfloat16)
+        opt = fastdp.DPOptimizer(torch.optim.SGD(layer.parameters(), lr=0.0), module=layer,
+                                 noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=1,
+                                 loss_reduction="sum", secure_mode=secure, seed=None if secure else seed)
+        layer(torch.ones(4112, 1, dtype=torch.bfloat16)).sum().backward()  # each sample's gradient: 1 = C
+        opt.step()
+        assert layer.weight.grad.dtype == torch.bfloat16
+        grads.append(float(layer.weight.grad))
+    assert set(grads) <= {4064.0, 4096.0, 4128.0, 4160.0}  # bf16 neighbours of 4112 + N(0, 1)
+    assert len(set(grads)) > 1  # the noise moved the rounding: it was not rounded away
