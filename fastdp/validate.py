@@ -40,11 +40,10 @@ def find_problems(module: nn.Module, params: Optional[Iterable[torch.Tensor]] = 
                     "a rule with fastdp.layers.register"
                 )
             continue
-        if trainable:
-            try:
-                rule.check(child)
-            except UnsupportedModuleError as exc:
-                problems.append(f"{where}: {exc}")
+        try:  # frozen modules too: state the data changes (running statistics) leaks without noise
+            rule.check(child)
+        except UnsupportedModuleError as exc:
+            problems.append(f"{where}: {exc}")
     if params is not None:
         owned = {id(p) for p in module.parameters()}
         names = [i for i, p in enumerate(params) if id(p) not in owned]

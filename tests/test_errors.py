@@ -29,6 +29,22 @@ def test_fix_instance_norm_running_stats():
     make(fastdp.fix(model))
 
 
+def test_frozen_modules_whose_state_the_data_changes_are_refused():
+    """No trainable parameter, but running statistics or renormalised rows would carry the data
+    out without noise (such modules were not checked at all)."""
+    stats = nn.Sequential(nn.Conv2d(3, 6, 3), nn.InstanceNorm2d(6, track_running_stats=True))
+    with pytest.raises(fastdp.UnsupportedModuleError, match="'1' .*track_running_stats"):
+        make(stats)
+    make(fastdp.fix(stats))
+    frozen = nn.Sequential(nn.Embedding(5, 3, max_norm=1.0), nn.Linear(3, 2))
+    frozen[0].weight.requires_grad_(False)
+    with pytest.raises(fastdp.UnsupportedModuleError, match="'0' .*max_norm"):
+        make(frozen)
+    sparse = nn.Sequential(nn.Embedding(5, 3, sparse=True, scale_grad_by_freq=True), nn.Linear(3, 2))
+    sparse[0].weight.requires_grad_(False)
+    make(sparse)  # options of the gradient only: nothing to refuse on a frozen table
+
+
 def test_unknown_module_with_parameters_names_module_and_parameter():
     class Scale(nn.Module):
         def __init__(self):

@@ -132,7 +132,9 @@ class LayerRule:
     param_names: Tuple[str, ...] = ("weight", "bias")
 
     def check(self, module: nn.Module) -> None:
-        """Raise :class:`UnsupportedModuleError` for configurations the rule cannot handle."""
+        """Raise :class:`UnsupportedModuleError` for configurations the rule cannot handle. Called
+        for frozen modules too: what changes the module's state from the data (running
+        statistics, renormalised rows) must be refused there as well."""
 
     def trainable(self, module: nn.Module) -> Dict[str, torch.Tensor]:
         """The module's parameters among ``param_names`` that require grad, by name."""

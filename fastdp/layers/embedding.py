@@ -40,6 +40,8 @@ class EmbeddingRule(LayerRule):
             raise UnsupportedModuleError(
                 "max_norm renormalises embedding rows in place from the data seen; set max_norm=None"
             )
+        if not module.weight.requires_grad:
+            return  # the options below only change the gradient
         if module.scale_grad_by_freq:
             raise UnsupportedModuleError(
                 "scale_grad_by_freq couples the samples of a batch; set scale_grad_by_freq=False"
