@@ -72,10 +72,9 @@ def noise_table() -> None:
 
 
 def ghost_in_engine(configs) -> None:
-    """In-process A/B of the fastdp step with the Triton ghost norm taken out of the CUDA
-    dispatch (every ghost call on the reference) and with it in, as registered (calls above
-    ``kernels.dispatch.GHOST_TRITON_MIN_WORK``; every call if ``FASTDP_BACKEND=triton``),
-    alternating rounds; ratios to the non-private step."""
+    """In-process A/B of the fastdp step with the Triton ghost norm out of the CUDA default
+    dispatch (every ghost call on the reference, as registered) and in it (every ghost call
+    on the kernel), alternating rounds; ratios to the non-private step."""
     ops._load_backends()
     triton_ghost = ("linear_sq_norms_ghost", "triton", "cuda")
     registered_auto = triton_ghost not in ops._FORCED_ONLY

@@ -19,7 +19,8 @@ void clip_factors(const double* total, int64_t batch, double bound, double scale
                   double* out) {
   const double shift = offset / scale;
   for (int64_t i = 0; i < batch; ++i) {
-    const double f = bound / (std::sqrt(total[i]) + shift);
+    // max: a ghost norm of a sample whose gradient is ~0 can come out a rounding below 0 (NaN stays NaN)
+    const double f = bound / (std::sqrt(std::max(total[i], 0.0)) + shift);
     out[i] = clamp ? std::min(f, scale) : f;
   }
 }

@@ -237,17 +237,44 @@ __attribute__((always_inline)) inline double ghost_tile(const F* a, int64_t sat,
   return total;
 }
 
-// The tile routines compiled per ISA, one overload per dtype.
-FASTDP_MULTIVERSION double ghost_tile_isa(const float* a, int64_t sat, int64_t sad, int64_t d, const float* g,
-                                          int64_t sgt, int64_t sgp, int64_t p, int64_t seq, int64_t t0, int64_t t1,
-                                          float* pa, float* pg, Vec<float>* ga, Vec<float>* gg) {
-  return ghost_tile(a, sat, sad, d, g, sgt, sgp, p, seq, t0, t1, pa, pg, ga, gg);
-}
-
+// The tile routines compiled per ISA (the ghost tile in float64 only, see ghost_tile_f64).
 FASTDP_MULTIVERSION double ghost_tile_isa(const double* a, int64_t sat, int64_t sad, int64_t d, const double* g,
                                           int64_t sgt, int64_t sgp, int64_t p, int64_t seq, int64_t t0, int64_t t1,
                                           double* pa, double* pg, Vec<double>* ga, Vec<double>* gg) {
   return ghost_tile(a, sat, sad, d, g, sgt, sgp, p, seq, t0, t1, pa, pg, ga, gg);
+}
+
+// The ghost route in float64 whatever the input dtype. Its sum of (a_s . a_t)(g_s . g_t) can
+// cancel to far less than its terms (a sample whose per-position gradients nearly cancel): with
+// Grams rounded in float32 the error is ~1e-7 (sum_s |a_s||g_s|)^2, and such a sample's norm
+// came out near 0, or negative, so that it escaped clipping. A float32 product is exact in
+// float64, so float64 Grams leave an error ~1e-16 of that.
+struct GhostScratch {
+  Scratch<double> wa, wg, pa, pg;  // widened rows [0, t1) of a and g; their packed column tiles
+  Scratch<Vec<double>> ga, gg;     // Gram tiles
+  GhostScratch(int64_t seq, int64_t d, int64_t p)
+      : wa(seq * d), wg(seq * p), pa(TB * d), pg(TB * p), ga(TB * TB / kLanes<double>), gg(TB * TB / kLanes<double>) {}
+};
+
+// Rows [0, rows) of x (length K, strides st, sk) as contiguous float64 rows.
+template <typename F>
+void widen_rows(const F* x, int64_t st, int64_t sk, int64_t K, int64_t rows, double* out) {
+  for (int64_t s = 0; s < rows; ++s)
+    for (int64_t k = 0; k < K; ++k) out[s * K + k] = static_cast<double>(x[s * st + k * sk]);
+}
+
+// ghost_tile (same arguments) computed in float64 from any input dtype.
+template <typename F>
+double ghost_tile_f64(const F* a, int64_t sat, int64_t sad, int64_t d, const F* g, int64_t sgt, int64_t sgp, int64_t p,
+                      int64_t t0, int64_t t1, GhostScratch& w) {
+  const double *ad = reinterpret_cast<const double*>(a), *gd = reinterpret_cast<const double*>(g);
+  if constexpr (!std::is_same_v<F, double>) {
+    widen_rows(a, sat, sad, d, t1, w.wa.get());
+    widen_rows(g, sgt, sgp, p, t1, w.wg.get());
+    ad = w.wa.get(), gd = w.wg.get(), sat = d, sad = 1, sgt = p, sgp = 1;
+  }
+  // rows s < t1 only: the rows past them that a micro-tile reads (weight 0) repeat row t1 - 1
+  return ghost_tile_isa(ad, sat, sad, d, gd, sgt, sgp, p, t1, t0, t1, w.pa.get(), w.pg.get(), w.ga.get(), w.gg.get());
 }
 
 // Direct work item: the (j0..j1) x (k0..k1) tile of g^T a for one sample, accumulated over T
@@ -333,16 +360,13 @@ void linear_sq_norms_ghost(const Strided3<F>& a, const Strided3<F>& g, double* o
   std::vector<double> partial(batch * tiles);
 #pragma omp parallel
   {
-    Scratch<F> pa(TB * a.dim), pg(TB * g.dim);
-    Scratch<Vec<F>> ga(TB * TB / kLanes<F>), gg(TB * TB / kLanes<F>);
+    GhostScratch scratch(std::is_same_v<F, double> ? 0 : seq, a.dim, g.dim);
     // Items (sample, column tile); tile u costs ~u + 1 row tiles, hence dynamic scheduling.
 #pragma omp for schedule(dynamic)
     for (int64_t item = 0; item < batch * tiles; ++item) {
       const int64_t i = item / tiles, t0 = (item % tiles) * TB, t1 = std::min(seq, t0 + TB);
-      const F* ai = a.data + i * a.sb;
-      const F* gi = g.data + i * g.sb;
-      partial[item] = ghost_tile_isa(ai, a.st, a.sk, a.dim, gi, g.st, g.sk, g.dim, seq, t0, t1, pa.get(), pg.get(),
-                                     ga.get(), gg.get());
+      partial[item] = ghost_tile_f64(a.data + i * a.sb, a.st, a.sk, a.dim, g.data + i * g.sb, g.st, g.sk, g.dim, t0,
+                                     t1, scratch);
     }
   }
   sum_partials(partial, batch, tiles, out);
@@ -746,13 +770,15 @@ void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& c, bool ghost
 #pragma omp parallel
   {
     Scratch<F> phases(wide.phase_elements()), cols(ghost ? d * wide.T : 0), gw(wide.T * p_pad),
-        pa(TB * std::max(d, TC)), pg(TB * p);
+        pa(TB * std::max(d, TC));
     Scratch<F> gin(plan ? plan->g_elements(p) : 0), dcols(plan ? plan->cols_elements(d) : 0),
         dx_images(plan ? InputGradPlan::image_elements(wide, W) : 0);
     if (plan) std::fill(dcols.get(), dcols.get() + plan->cols_elements(d), F(0));
     std::vector<const F*> patch_rows(d);  // the patch rows, in place in `phases`
     for (int64_t row = 0; row < d; ++row) patch_rows[row] = phases.get() + patch_row_offset(c, cin, wide, row);
-    Scratch<Vec<F>> ga(TB * TB / W), gg(TB * TB / W);
+    Scratch<Vec<F>> tile(TB * TB / W);  // the direct route's
+    std::optional<GhostScratch> ghost_scratch;
+    if (ghost) ghost_scratch.emplace(wide.T, d, p);
 #pragma omp for schedule(dynamic)
     for (int64_t item = 0; item < c.batch * groups; ++item) {
       const int64_t i = item / groups, grp = item % groups;
@@ -765,8 +791,7 @@ void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& c, bool ghost
       if (ghost) {  // g as (p, T) wide rows
         for (int64_t t0 = 0; t0 < wide.T; t0 += TB) {
           const int64_t t1 = std::min(wide.T, t0 + TB);
-          total += ghost_tile_isa(cols.get(), 1, wide.T, d, gwi, 1, wide.T, p, wide.T, t0, t1, pa.get(), pg.get(),
-                                  ga.get(), gg.get());
+          total += ghost_tile_f64(cols.get(), 1, wide.T, d, gwi, 1, wide.T, p, t0, t1, *ghost_scratch);
         }
       } else {
         // ||g_i^T a_i||^2 = ||a_i^T g_i||^2: tiles over (d, p) with vectors along p, read from g
@@ -776,8 +801,8 @@ void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& c, bool ghost
           for (int64_t k0 = 0; k0 < p; k0 += TB) {
             const int64_t j1 = std::min(d, j0 + TB), k1 = std::min(p, k0 + TB);
             total += direct_tile_isa(gwi, p_pad, 1, patch_rows.data() + j0, 1, wide.T, j0, j1, k0, k1, pa.get(),
-                                     ga.get());
-            if (grads) store_direct_tile(ga.get(), j0, j1, k0, k1, p, grads + (i * c.out_channels + grp * p) * d);
+                                     tile.get());
+            if (grads) store_direct_tile(tile.get(), j0, j1, k0, k1, p, grads + (i * c.out_channels + grp * p) * d);
           }
       }
       partial[item] = total;

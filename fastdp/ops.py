@@ -173,7 +173,8 @@ def outer_sq_norms_ref(a: torch.Tensor, g: torch.Tensor) -> Tuple[torch.Tensor, 
 
 def total_sq_norms_ref(parts: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, bool]:
     """Per-sample sum of the float64 ``(B,)`` squared norms ``parts``, and whether the sums are
-    all finite, from one reduction (a single host sync). The sums are of terms >= 0 or NaN, so
+    all finite, from one reduction (a single host sync). The sums are of terms >= 0 (up to a
+    rounding below 0 for a ghost norm of ~0) or NaN, so
     ``False`` means some sample's norm is NaN/Inf or the batch's total overflowed."""
     total = torch.stack(list(parts)).sum(0)
     return total, math.isfinite(total.sum().item())
@@ -182,8 +183,9 @@ def total_sq_norms_ref(parts: Sequence[torch.Tensor]) -> Tuple[torch.Tensor, boo
 def clip_factors_ref(total: torch.Tensor, bound: float, scale: float, offset: float, clamp: bool) -> torch.Tensor:
     """``bound / (sqrt(total) + offset / scale)``, capped at ``scale`` if ``clamp``: the coefficient
     ``scale * min(1, bound / (scale * sqrt(total) + offset))`` of gradients whose squared norms
-    ``total`` were divided by ``scale^2`` (float64 ``(B,)``, a new tensor)."""
-    coef = total.sqrt().add_(offset / scale).reciprocal_().mul_(bound)
+    ``total`` were divided by ``scale^2`` (float64 ``(B,)``, a new tensor). A total a rounding
+    below 0 (the ghost norm of a sample whose gradient is ~0) counts as 0; NaN stays NaN."""
+    coef = total.clamp_min(0.0).sqrt_().add_(offset / scale).reciprocal_().mul_(bound)
     return coef.clamp_(max=scale) if clamp else coef
 
 
@@ -193,10 +195,14 @@ def sample_sq_norms_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 def linear_sq_norms_ghost_ref(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """``sum_{s,t} (a_s . a_t)(g_s . g_t)`` per sample via the two ``T x T`` Gram matrices."""
+    """``sum_{s,t} (a_s . a_t)(g_s . g_t)`` per sample via the two ``T x T`` Gram matrices, in
+    float64 whatever the inputs: the terms can cancel to a sum far smaller than they are (a
+    sample whose per-position gradients nearly cancel), and Grams rounded in float32 then
+    gave norms near 0 or below it, so that sample escaped clipping."""
+    a, g = a.double(), g.double()
     gram_a = torch.bmm(a, a.transpose(1, 2))
     gram_g = torch.bmm(g, g.transpose(1, 2))
-    return sum_to_float64(gram_a.mul_(gram_g), (1, 2))
+    return gram_a.mul_(gram_g).sum((1, 2))
 
 
 def linear_sq_norms_direct_ref(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

@@ -12,14 +12,15 @@ float64 ``(B,)``. References: :func:`fastdp.ops.linear_sq_norms_ghost_ref` and
   column tile D and adds its squared entries, so no ``(p, d)`` per-sample gradient is stored.
 
 Both write one partial sum per program (extra memory ``B`` times the tile pairs of T, or
-the tiles of p),
-summed in float64 afterwards. Tile products are summed in float32 (float64 inputs stay
-float64) and accumulated across tiles in float64; float32 dots use IEEE precision
-(no TF32); bfloat16/float16 inputs are multiplied in their dtype with float32 accumulation.
+the tiles of p), summed in float64 afterwards. The ghost kernel forms its Gram tiles in
+float64 whatever the input dtype: its sum can cancel to far less than its terms, and Grams
+rounded in float32 let such a sample's norm come out near zero, so that it escaped
+clipping. The direct kernel sums squares (no cancellation): its tile products are summed in
+float32 with IEEE products (float64 inputs stay float64; bfloat16/float16 inputs are
+multiplied in their dtype with float32 accumulation) and accumulated across tiles in float64.
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -29,12 +30,6 @@ import triton.language as tl
 from kernels.reductions import block_sum
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@functools.lru_cache(maxsize=None)
-def _has_tf32(device: torch.device) -> bool:
-    """TF32 tensor cores (for the "tf32x3" float32 products) exist from compute capability 8.0 on."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 @triton.jit
@@ -95,16 +90,20 @@ def _direct_kernel(a, g, partial, T, D, P, sab, sat, sad, sgb, sgt, sgp,
     tl.store(partial + i * tl.num_programs(1) + tile_p + tl.arange(0, 1), total)
 
 
-def _dot_config(dtype: torch.dtype, device: torch.device, float32_precision: str = "ieee") -> dict:
-    """Accumulator dtype and ``tl.dot`` precision for an input dtype. Float32 uses exact
-    products ("ieee") or three TF32 passes ("tf32x3", float32-level accuracy on tensor
-    cores). Half-precision tiles are upcast before ``tl.dot`` only under TRITON_INTERPRET=1,
-    whose bfloat16 dot is wrong (the products are exact in float32 either way)."""
+def _dot_config(dtype: torch.dtype) -> dict:
+    """Accumulator dtype and ``tl.dot`` precision of the direct kernel for an input dtype:
+    float32 with exact ("ieee") products. Half-precision tiles are upcast before ``tl.dot``
+    only under TRITON_INTERPRET=1, whose bfloat16 dot is wrong (the products are exact in
+    float32 either way)."""
     if dtype == torch.float64:
         return dict(ACC=tl.float64, PRECISION="ieee", UPCAST=False)
     half = dtype in (torch.bfloat16, torch.float16)
-    precision = None if half else ("ieee" if _INTERPRETED or not _has_tf32(device) else float32_precision)
-    return dict(ACC=tl.float32, PRECISION=precision, UPCAST=half and _INTERPRETED)
+    return dict(ACC=tl.float32, PRECISION=None if half else "ieee", UPCAST=half and _INTERPRETED)
+
+
+# The ghost kernel's Gram tiles: float64 products of the upcast inputs (exact for float32 and
+# half precision) and float64 sums.
+_GHOST_DOT = dict(ACC=tl.float64, PRECISION="ieee", UPCAST=True)
 
 
 def _block(n: int, cap: int) -> int:
@@ -124,33 +123,22 @@ def _tile_pairs(n_tiles: int, device: torch.device):
     return _PAIRS[key]
 
 
-# Default (block_t, block_k, num_warps, num_stages) per input dtype, picked on an H100 from
-# bench/gpu_profile.py's variants (float32 with 3xTF32 products: 1.5-4.2x faster than the
-# batched-Gram route at <1e-6 relative error; bench/gpu-h100/).
-_GHOST_TILES = {torch.float32: (64, 32, 4, 3), torch.bfloat16: (128, 64, 8, 4), torch.float16: (128, 64, 8, 4),
-                torch.float64: (64, 32, 4, 2)}
-
-
-def linear_sq_norms_ghost_triton(a: torch.Tensor, g: torch.Tensor, block_t: int = None, block_k: int = None,
-                                 num_warps: int = None, num_stages: int = None,
-                                 float32_precision: str = "tf32x3") -> torch.Tensor:
-    """Tiled ghost norm, float64 ``(B,)``; see the module docstring. Unset tile options take
-    the dtype's defaults; ``float32_precision`` is "tf32x3" or "ieee"."""
+def linear_sq_norms_ghost_triton(a: torch.Tensor, g: torch.Tensor, block_t: int = 64, block_k: int = 32,
+                                 num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """Tiled ghost norm in float64, float64 ``(B,)``; see the module docstring. The default
+    tiles are the float64 ones picked on an H100 (bench/gpu-h100/, when the kernel took
+    float32 Grams for float32 inputs); float64 Grams from float32 inputs are unmeasured there."""
     batch, seq, d = a.shape
     p = g.shape[-1]
     if batch == 0 or seq == 0:
         return torch.zeros(batch, dtype=torch.float64, device=a.device)
-    defaults = _GHOST_TILES.get(a.dtype, _GHOST_TILES[torch.float32])
-    block_t, block_k, num_warps, num_stages = (
-        default if given is None else given
-        for given, default in zip((block_t, block_k, num_warps, num_stages), defaults))
     block_t = _block(seq, block_t)
     block_k = _block(max(d, p), block_k)
     pair_s, pair_t = _tile_pairs(triton.cdiv(seq, block_t), a.device)
     partial = torch.empty(batch, pair_s.numel(), dtype=torch.float64, device=a.device)  # every entry is stored
     _ghost_kernel[(batch, pair_s.numel())](
         a, g, pair_s, pair_t, partial, seq, d, p, *a.stride(), *g.stride(),
-        BLOCK_T=block_t, BLOCK_K=block_k, **_dot_config(a.dtype, a.device, float32_precision),
+        BLOCK_T=block_t, BLOCK_K=block_k, **_GHOST_DOT,
         num_warps=num_warps, num_stages=num_stages,
     )
     return partial.sum(1)
@@ -169,6 +157,6 @@ def linear_sq_norms_direct_triton(
     partial = torch.empty(batch, n_tiles, dtype=torch.float64, device=a.device)  # every entry is stored
     _direct_kernel[(batch, n_tiles)](
         a, g, partial, seq, d, p, *a.stride(), *g.stride(),
-        BLOCK_P=block_p, BLOCK_D=block_d, BLOCK_T=block_t, **_dot_config(a.dtype, a.device),
+        BLOCK_P=block_p, BLOCK_D=block_d, BLOCK_T=block_t, **_dot_config(a.dtype),
     )
     return partial.sum(1)

@@ -119,3 +119,17 @@ def check_exact(model: nn.Module, inputs, out_shape_fn: Callable = None, tol=1e-
     err = max_rel_error(got, want)
     assert err <= tol, f"relative error {err:.3e} > {tol:.1e}"
     return err
+
+
+def cancelling_linear_inputs(seq=16, d=64, p=64, residual=1e-3, seed=0):
+    """One float32 sample whose per-position gradients nearly cancel: the same input at every
+    position and output gradients summing to a vector of norm ``residual``, so the ghost sum
+    of (a_s . a_t)(g_s . g_t), terms of size ~1, is ~residual^2 (review: a sample built so
+    got a float32-Gram norm of 0 or below and escaped clipping)."""
+    gen = torch.Generator().manual_seed(seed)
+    a = torch.randn(d, generator=gen, dtype=torch.float32)
+    a = (a / a.norm()).expand(1, seq, d).contiguous()
+    u = torch.randn(seq - 1, p, generator=gen, dtype=torch.float32)
+    delta = torch.randn(p, generator=gen, dtype=torch.float32)
+    g = torch.cat([u, (delta / delta.norm() * residual - u.sum(0))[None]])[None]
+    return a, g

@@ -8,7 +8,8 @@ from hypothesis import given, settings, strategies as st
 from torch import nn
 
 import fastdp
-from reference import examples, check_exact, fastdp_clipped_sum, max_rel_error, clipped_sum_reference, trainable_names
+from reference import (examples, cancelling_linear_inputs, check_exact, clipped_sum_reference, fastdp_clipped_sum,
+                       max_rel_error, trainable_names)
 
 
 pytestmark = pytest.mark.usefixtures("float64")
@@ -199,6 +200,35 @@ def _noise_only_grads(steps, sigma=2.0, clip=0.5, batch=8, seed=None):
         opt.step()  # an empty batch: noise only
         draws.append(torch.cat([p.grad.flatten() for p in model.parameters()]).clone())
     return torch.stack(draws)
+
+
+@pytest.mark.parametrize("layer", ["linear", "conv"])
+def test_a_sample_whose_gradient_terms_cancel_is_still_clipped(monkeypatch, layer):
+    """Float32 model, ghost route forced: the sample's per-position gradients cancel to 1e-3 of
+    their size. With float32 Grams its norm came out ~0 or negative, and its contribution was
+    up to 10x C or NaN (review); every backend now clips it to C."""
+    import fastdp.layers.conv as conv
+    import fastdp.layers.linear as linear
+
+    monkeypatch.setattr(linear, "ghost_is_cheaper", lambda t, d, p: True)
+    monkeypatch.setattr(conv, "AUTOTUNE", False)
+    monkeypatch.setattr(conv, "route_costs", lambda t, d, p: (0, 1))
+    a, g = cancelling_linear_inputs()
+    if layer == "linear":
+        model, x, weights = nn.Linear(64, 64, bias=False, dtype=torch.float32), a, g
+    else:  # equal patches at every position of a constant image
+        model = nn.Conv2d(64, 64, 1, bias=False, dtype=torch.float32)
+        x = a.transpose(1, 2).reshape(1, 64, 4, 4).contiguous()
+        weights = g.transpose(1, 2).reshape(1, 64, 4, 4)
+    true_norm = float((weights.double().flatten(2).sum(2) if layer == "conv" else weights.double().sum(1)).norm()
+                      * a[0, 0].double().norm())
+    clip = 0.1 * true_norm
+    opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), module=model, noise_multiplier=0.0,
+                             max_grad_norm=clip, expected_batch_size=1, loss_reduction="sum")
+    (model(x) * weights).sum().backward()
+    opt.step()
+    got = float(model.weight.grad.double().norm())
+    assert 0.99 * clip < got <= clip * (1 + 1e-5)  # C |g| / (|g| + 1e-6): a little below C
 
 
 def test_noise_std_is_sigma_c_over_expected_batch_size():

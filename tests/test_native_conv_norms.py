@@ -105,6 +105,22 @@ def test_several_tiles_each_way(ghost, dtype):
     _check(native.conv_sq_norms(x, g, spec, ghost, keep_grads=True, input_weight=weight), x, g, spec, weight)
 
 
+def test_ghost_route_survives_cancellation():
+    """Equal patches at every position (a constant image) and output gradients that sum to
+    1e-3 of their size: the ghost terms cancel to ~1e-6 of theirs. Float64 Grams keep the norm
+    within float64's a-priori bound; float32 ones were off by ~100 % (review)."""
+    gen = torch.Generator().manual_seed(0)
+    spec = ConvSpec([1, 1], [0, 0], [1, 1], 1, [3, 3])
+    x = torch.randn(1, 4, 1, 1, generator=gen).expand(1, 4, 10, 10).contiguous()
+    u = torch.randn(1, 6, 64, generator=gen)
+    residual = torch.randn(1, 6, generator=gen) * 1e-3
+    u[..., -1] += residual - u.sum(-1)
+    g = u.view(1, 6, 8, 8)
+    exact = per_sample_sq_norms(x, g, spec)
+    out = native.conv_sq_norms(x, g, spec, True)[0]
+    assert ((out - exact).abs() / exact).item() < 1e-6
+
+
 def test_other_dtypes_and_layouts():
     """bfloat16 runs through float32; a channels-last input and a grad tensor are copied as needed."""
     x, g, spec = _case(2, 2, 1, 3, 4, 3, 2, 1, 1, 9, torch.float32, 1)

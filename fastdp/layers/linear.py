@@ -11,7 +11,6 @@ is one GEMM on coefficient-scaled rows, the same cost as the gradient autograd s
 """
 from __future__ import annotations
 
-import math
 from typing import Dict, Iterable
 
 import torch
