@@ -41,6 +41,18 @@ __attribute__((always_inline)) inline const typename VecOf<F>::unaligned& load(c
   return *reinterpret_cast<const typename VecOf<F>::unaligned*>(p);
 }
 
+// out = kLanes<F> consecutive elements of type R from any element-aligned address (float to
+// double: exact). An out-parameter: a 64-byte vector return value would change the baseline ABI.
+template <typename F, typename R>
+__attribute__((always_inline)) inline void load_as(const R* p, Vec<F>& out) {
+  if constexpr (std::is_same_v<F, R>) {
+    out = load(p);
+  } else {
+    typedef R Narrow __attribute__((vector_size(sizeof(R) * kLanes<F>), aligned(sizeof(R)), may_alias));
+    out = __builtin_convertvector(*reinterpret_cast<const Narrow*>(p), Vec<F>);
+  }
+}
+
 template <typename F>
 __attribute__((always_inline)) inline void store(F* p, const Vec<F>& v) {
   *reinterpret_cast<typename VecOf<F>::unaligned*>(p) = v;
@@ -65,19 +77,20 @@ struct Scratch {
   F* get() const { return ptr.get(); }
 };
 
-// acc[r] += sum_{k < n} panel[k * pstep .. k * pstep + W) * rows[r][k * step], r < MR.
-template <typename F>
-__attribute__((always_inline)) inline void micro_kernel(const F* const* rows, int64_t step, const F* panel,
+// acc[r] += sum_{k < n} panel[k * pstep .. k * pstep + W) * rows[r][k * step], r < MR. The rows
+// may be of a narrower type R (float rows into float64 Grams): each scalar is widened exactly.
+template <typename F, typename R>
+__attribute__((always_inline)) inline void micro_kernel(const R* const* rows, int64_t step, const F* panel,
                                                         int64_t pstep, int64_t n, Vec<F>* acc) {
   Vec<F> c[MR];
   for (int r = 0; r < MR; ++r) c[r] = acc[r];
-  const F* x[MR];
+  const R* x[MR];
   for (int r = 0; r < MR; ++r) x[r] = rows[r];
   for (int64_t k = 0; k < n; ++k) {
     const Vec<F> col = load(panel + k * pstep);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
-      c[r] += col * x[r][0];
+      c[r] += col * static_cast<F>(x[r][0]);
       x[r] += step;
     }
   }
@@ -86,8 +99,8 @@ __attribute__((always_inline)) inline void micro_kernel(const F* const* rows, in
 
 // The same for two column blocks at once (acc0 from panel0, acc1 from panel1): each broadcast
 // scalar feeds two FMAs, so 16 FMAs per step take 10 loads instead of 18.
-template <typename F>
-__attribute__((always_inline)) inline void micro_kernel2(const F* const* rows, int64_t step, const F* panel0,
+template <typename F, typename R>
+__attribute__((always_inline)) inline void micro_kernel2(const R* const* rows, int64_t step, const F* panel0,
                                                          int64_t pstep0, const F* panel1, int64_t pstep1, int64_t n,
                                                          Vec<F>* acc0, Vec<F>* acc1) {
   Vec<F> c0[MR], c1[MR];
@@ -95,13 +108,13 @@ __attribute__((always_inline)) inline void micro_kernel2(const F* const* rows, i
     c0[r] = acc0[r];
     c1[r] = acc1[r];
   }
-  const F* x[MR];
+  const R* x[MR];
   for (int r = 0; r < MR; ++r) x[r] = rows[r];
   for (int64_t k = 0; k < n; ++k) {
     const Vec<F> col0 = load(panel0 + k * pstep0), col1 = load(panel1 + k * pstep1);
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
-      const F xr = x[r][0];
+      const F xr = static_cast<F>(x[r][0]);
       c0[r] += col0 * xr;
       c1[r] += col1 * xr;
       x[r] += step;
@@ -140,8 +153,8 @@ __attribute__((always_inline)) inline void transpose_block(Vec<F>* v) {
 // Ghost panel of rows [t0, t1) of one sample's (T, K) matrix x, transposed in blocks of W rows:
 // panel[(c * K + k) * W + j] = x[t0 + c W + j, k], zero past t1. Whole blocks are copied as
 // vectors when x is (K, T)-major and transposed W x W at a time when it is (T, K)-major.
-template <typename F>
-__attribute__((always_inline)) inline void pack_rows_transposed(const F* x, int64_t st, int64_t sk, int64_t K,
+template <typename F, typename R>
+__attribute__((always_inline)) inline void pack_rows_transposed(const R* x, int64_t st, int64_t sk, int64_t K,
                                                                 int64_t t0, int64_t t1, F* panel) {
   constexpr int W = kLanes<F>;
   for (int64_t c0 = t0; c0 < t1; c0 += W) {
@@ -149,13 +162,17 @@ __attribute__((always_inline)) inline void pack_rows_transposed(const F* x, int6
     F* dst = panel + ((c0 - t0) / W) * K * W;
     int64_t k0 = 0;  // columns [0, k0) done with vectors
     if (rows == W && st == 1) {
-      for (; k0 < K; ++k0) store(dst + k0 * W, Vec<F>(load(x + c0 + k0 * sk)));
+      for (; k0 < K; ++k0) {
+        Vec<F> v;
+        load_as<F>(x + c0 + k0 * sk, v);
+        store(dst + k0 * W, v);
+      }
     }
 #ifdef LINEAR_NORMS_TRANSPOSE
     if (rows == W && sk == 1) {
       for (; k0 + W <= K; k0 += W) {
         Vec<F> v[W];
-        for (int j = 0; j < W; ++j) v[j] = load(x + (c0 + j) * st + k0);
+        for (int j = 0; j < W; ++j) load_as<F>(x + (c0 + j) * st + k0, v[j]);
         transpose_block<F>(v);
         for (int j = 0; j < W; ++j) store(dst + (k0 + j) * W, v[j]);
       }
@@ -173,15 +190,15 @@ __attribute__((always_inline)) inline void pack_rows_transposed(const F* x, int6
 // x_{s0 + rg MR + r} . x_{t0 + c W + lane}, in passes of KC steps of k so that the panel
 // slices stay in L1. Micro-tiles entirely below the diagonal are skipped; rows past T read
 // row T-1 (their weight is 0).
-template <typename F>
-__attribute__((always_inline)) inline void gram_tile(const F* x, int64_t st, int64_t sk, int64_t K, int64_t seq,
+template <typename F, typename R>
+__attribute__((always_inline)) inline void gram_tile(const R* x, int64_t st, int64_t sk, int64_t K, int64_t seq,
                                                      const F* panel, int64_t s0, int64_t s1, int64_t t0,
                                                      int64_t blocks, Vec<F>* acc) {
   constexpr int W = kLanes<F>;
   for (int64_t k0 = 0; k0 < K; k0 += KC) {
     const int64_t n = std::min(KC, K - k0);
     for (int64_t r0 = s0; r0 < s1; r0 += MR) {
-      const F* rows[MR];
+      const R* rows[MR];
       for (int r = 0; r < MR; ++r) rows[r] = x + std::min(r0 + r, seq - 1) * st + k0 * sk;
       Vec<F>* row_acc = acc + ((r0 - s0) / MR) * blocks * MR;
       int64_t c = 0;
@@ -198,9 +215,9 @@ __attribute__((always_inline)) inline void gram_tile(const F* x, int64_t st, int
 // sum over s < t1, t in the tile of w(s, t) (a_s . a_t)(g_s . g_t) with w = 2 above the
 // diagonal, 1 on it, 0 below, so that the tiles of one sample add up to the full sum.
 // Scratch: panels pa (TB x d), pg (TB x p); Gram tiles ga, gg (TB x TB each).
-template <typename F>
-__attribute__((always_inline)) inline double ghost_tile(const F* a, int64_t sat, int64_t sad, int64_t d,
-                                                        const F* g, int64_t sgt, int64_t sgp, int64_t p,
+template <typename F, typename R>
+__attribute__((always_inline)) inline double ghost_tile(const R* a, int64_t sat, int64_t sad, int64_t d,
+                                                        const R* g, int64_t sgt, int64_t sgp, int64_t p,
                                                         int64_t seq, int64_t t0, int64_t t1, F* pa, F* pg,
                                                         Vec<F>* ga, Vec<F>* gg) {
   constexpr int W = kLanes<F>;
@@ -237,44 +254,32 @@ __attribute__((always_inline)) inline double ghost_tile(const F* a, int64_t sat,
   return total;
 }
 
-// The tile routines compiled per ISA (the ghost tile in float64 only, see ghost_tile_f64).
-FASTDP_MULTIVERSION double ghost_tile_isa(const double* a, int64_t sat, int64_t sad, int64_t d, const double* g,
-                                          int64_t sgt, int64_t sgp, int64_t p, int64_t seq, int64_t t0, int64_t t1,
-                                          double* pa, double* pg, Vec<double>* ga, Vec<double>* gg) {
-  return ghost_tile(a, sat, sad, d, g, sgt, sgp, p, seq, t0, t1, pa, pg, ga, gg);
-}
-
 // The ghost route in float64 whatever the input dtype. Its sum of (a_s . a_t)(g_s . g_t) can
 // cancel to far less than its terms (a sample whose per-position gradients nearly cancel): with
 // Grams rounded in float32 the error is ~1e-7 (sum_s |a_s||g_s|)^2, and such a sample's norm
 // came out near 0, or negative, so that it escaped clipping. A float32 product is exact in
-// float64, so float64 Grams leave an error ~1e-16 of that.
+// float64, so float64 Grams leave an error ~1e-16 of that. Float rows are read in place and
+// widened as they are used (each broadcast scalar, each packed panel element).
 struct GhostScratch {
-  Scratch<double> wa, wg, pa, pg;  // widened rows [0, t1) of a and g; their packed column tiles
-  Scratch<Vec<double>> ga, gg;     // Gram tiles
-  GhostScratch(int64_t seq, int64_t d, int64_t p)
-      : wa(seq * d), wg(seq * p), pa(TB * d), pg(TB * p), ga(TB * TB / kLanes<double>), gg(TB * TB / kLanes<double>) {}
+  Scratch<double> pa, pg;       // packed column tiles of a and g
+  Scratch<Vec<double>> ga, gg;  // Gram tiles
+  GhostScratch(int64_t d, int64_t p)
+      : pa(TB * d), pg(TB * p), ga(TB * TB / kLanes<double>), gg(TB * TB / kLanes<double>) {}
 };
 
-// Rows [0, rows) of x (length K, strides st, sk) as contiguous float64 rows.
-template <typename F>
-void widen_rows(const F* x, int64_t st, int64_t sk, int64_t K, int64_t rows, double* out) {
-  for (int64_t s = 0; s < rows; ++s)
-    for (int64_t k = 0; k < K; ++k) out[s * K + k] = static_cast<double>(x[s * st + k * sk]);
+// The tile routines compiled per ISA, one overload per input dtype (the ghost tile in float64).
+FASTDP_MULTIVERSION double ghost_tile_isa(const float* a, int64_t sat, int64_t sad, int64_t d, const float* g,
+                                          int64_t sgt, int64_t sgp, int64_t p, int64_t seq, int64_t t0, int64_t t1,
+                                          GhostScratch& w) {
+  return ghost_tile<double>(a, sat, sad, d, g, sgt, sgp, p, seq, t0, t1, w.pa.get(), w.pg.get(), w.ga.get(),
+                            w.gg.get());
 }
 
-// ghost_tile (same arguments) computed in float64 from any input dtype.
-template <typename F>
-double ghost_tile_f64(const F* a, int64_t sat, int64_t sad, int64_t d, const F* g, int64_t sgt, int64_t sgp, int64_t p,
-                      int64_t t0, int64_t t1, GhostScratch& w) {
-  const double *ad = reinterpret_cast<const double*>(a), *gd = reinterpret_cast<const double*>(g);
-  if constexpr (!std::is_same_v<F, double>) {
-    widen_rows(a, sat, sad, d, t1, w.wa.get());
-    widen_rows(g, sgt, sgp, p, t1, w.wg.get());
-    ad = w.wa.get(), gd = w.wg.get(), sat = d, sad = 1, sgt = p, sgp = 1;
-  }
-  // rows s < t1 only: the rows past them that a micro-tile reads (weight 0) repeat row t1 - 1
-  return ghost_tile_isa(ad, sat, sad, d, gd, sgt, sgp, p, t1, t0, t1, w.pa.get(), w.pg.get(), w.ga.get(), w.gg.get());
+FASTDP_MULTIVERSION double ghost_tile_isa(const double* a, int64_t sat, int64_t sad, int64_t d, const double* g,
+                                          int64_t sgt, int64_t sgp, int64_t p, int64_t seq, int64_t t0, int64_t t1,
+                                          GhostScratch& w) {
+  return ghost_tile<double>(a, sat, sad, d, g, sgt, sgp, p, seq, t0, t1, w.pa.get(), w.pg.get(), w.ga.get(),
+                            w.gg.get());
 }
 
 // Direct work item: the (j0..j1) x (k0..k1) tile of g^T a for one sample, accumulated over T
@@ -360,13 +365,13 @@ void linear_sq_norms_ghost(const Strided3<F>& a, const Strided3<F>& g, double* o
   std::vector<double> partial(batch * tiles);
 #pragma omp parallel
   {
-    GhostScratch scratch(std::is_same_v<F, double> ? 0 : seq, a.dim, g.dim);
+    GhostScratch scratch(a.dim, g.dim);
     // Items (sample, column tile); tile u costs ~u + 1 row tiles, hence dynamic scheduling.
 #pragma omp for schedule(dynamic)
     for (int64_t item = 0; item < batch * tiles; ++item) {
       const int64_t i = item / tiles, t0 = (item % tiles) * TB, t1 = std::min(seq, t0 + TB);
-      partial[item] = ghost_tile_f64(a.data + i * a.sb, a.st, a.sk, a.dim, g.data + i * g.sb, g.st, g.sk, g.dim, t0,
-                                     t1, scratch);
+      partial[item] = ghost_tile_isa(a.data + i * a.sb, a.st, a.sk, a.dim, g.data + i * g.sb, g.st, g.sk, g.dim, seq,
+                                     t0, t1, scratch);
     }
   }
   sum_partials(partial, batch, tiles, out);
@@ -778,7 +783,7 @@ void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& c, bool ghost
     for (int64_t row = 0; row < d; ++row) patch_rows[row] = phases.get() + patch_row_offset(c, cin, wide, row);
     Scratch<Vec<F>> tile(TB * TB / W);  // the direct route's
     std::optional<GhostScratch> ghost_scratch;
-    if (ghost) ghost_scratch.emplace(wide.T, d, p);
+    if (ghost) ghost_scratch.emplace(d, p);
 #pragma omp for schedule(dynamic)
     for (int64_t item = 0; item < c.batch * groups; ++item) {
       const int64_t i = item / groups, grp = item % groups;
@@ -791,7 +796,7 @@ void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& c, bool ghost
       if (ghost) {  // g as (p, T) wide rows
         for (int64_t t0 = 0; t0 < wide.T; t0 += TB) {
           const int64_t t1 = std::min(wide.T, t0 + TB);
-          total += ghost_tile_f64(cols.get(), 1, wide.T, d, gwi, 1, wide.T, p, t0, t1, *ghost_scratch);
+          total += ghost_tile_isa(cols.get(), 1, wide.T, d, gwi, 1, wide.T, p, wide.T, t0, t1, *ghost_scratch);
         }
       } else {
         // ||g_i^T a_i||^2 = ||a_i^T g_i||^2: tiles over (d, p) with vectors along p, read from g
