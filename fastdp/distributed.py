@@ -116,8 +116,10 @@ class DistributedDPOptimizer(DPOptimizer):
             raise RuntimeError("the accountant lives on rank 0: ask rank 0 for epsilon")
         return super().epsilon(delta)
 
-    def noisy_average(self, sums: List[torch.Tensor], divisor: float) -> List[torch.Tensor]:
-        """All-reduce of the local clipped sums, rank 0's carrying all the noise, over ``divisor``."""
+    def noisy_average(self, sums: List[torch.Tensor], divisor: float,
+                      dtypes: Optional[List[torch.dtype]] = None) -> List[torch.Tensor]:
+        """All-reduce of the local clipped sums, rank 0's carrying all the noise, over ``divisor``;
+        in the sums' dtype throughout (``dtypes`` unused: the optimizer rounds the result once)."""
         local = super().noisy_average(sums, 1.0) if self.rank == 0 else sums
         buckets: Dict[tuple, List[int]] = {}
         for i, s in enumerate(local):

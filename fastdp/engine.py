@@ -16,6 +16,8 @@ per-sample gradients instantiated and summed, so its norm includes the cross ter
 """
 from __future__ import annotations
 
+import inspect
+import warnings
 from collections import defaultdict
 from typing import Dict, List, Optional, Sequence
 
@@ -74,6 +76,7 @@ class GradSampleEngine:
         self._patched: List[nn.Module] = []
         self.adopt_current_grads()
         self._patch()
+        self._warn_about_unprivatised()
 
     # -- hooks ---------------------------------------------------------------------------
     def _patch(self) -> None:
@@ -94,13 +97,26 @@ class GradSampleEngine:
             module.forward = self._hooked_forward(module, rule)
             self._patched.append(module)
 
+    def _warn_about_unprivatised(self) -> None:
+        """Hooked layers compute no gradient for parameters outside the optimizer: say so."""
+        left = [self.names.get(p, "?") for m in self._patched for p in rule_for(m).trainable(m).values()
+                if id(p) not in self._private_ids]
+        if left:
+            warnings.warn(
+                f"parameter(s) {left[:8]} require grad but are not in the DP optimizer: fastdp's layers "
+                "compute no gradient for them (their .grad stays None); freeze them (requires_grad_(False)) "
+                "or give them to the optimizer", UserWarning, stacklevel=4)
+
     def _hooked_forward(self, module: nn.Module, rule):
         plain = type(module).forward.__get__(module)
+        signature = inspect.signature(plain)
 
         def forward(*args, **kwargs):
             params = rule.trainable(module) if torch.is_grad_enabled() else None
             if not params:
                 return plain(*args, **kwargs)
+            if kwargs:  # by the layer's own argument names (nn.Linear(...)(input=x)): passed on by position
+                args, kwargs = signature.bind(*args, **kwargs).args, {}
             return rule.forward(module, Tap(self._record, module, rule, params), *args, **kwargs)
 
         forward.fastdp_engine = self

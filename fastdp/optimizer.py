@@ -162,18 +162,20 @@ class DPOptimizer(torch.optim.Optimizer):
         self._noise_draws += 1
         return _splitmix64(self._noise_key + self._noise_draws * _GOLDEN)
 
-    def noisy_average(self, sums: List[torch.Tensor], divisor: float) -> List[torch.Tensor]:
-        """``(sums + N(0, noise_std^2 I)) / divisor``, from the seeded stream or, in secure mode, OS entropy."""
+    def noisy_average(self, sums: List[torch.Tensor], divisor: float,
+                      dtypes: Optional[List[torch.dtype]] = None) -> List[torch.Tensor]:
+        """``(sums + N(0, noise_std^2 I)) / divisor``, from the seeded stream or, in secure mode, OS entropy
+        (rounded once from float64 to ``dtypes``, default the sums' own)."""
         if self.secure_mode:
-            return secure.secure_noisy_average(sums, self.noise_std, divisor,
-                                               [p.dtype for p in self.engine.params])
+            return secure.secure_noisy_average(sums, self.noise_std, divisor, dtypes)
         return ops.noisy_average(sums, self.noise_std, divisor, self.next_seed(), inplace=True)
 
     def privatise_grads(self) -> None:
         """Write ``(sum of clipped grads + N(0, (sigma C)^2)) / expected_batch_size`` into ``.grad``."""
         params = self.engine.params
         self.engine.check_foreign_grads()  # also where no hooked layer ran, so no backward callback did
-        grads = self.noisy_average(self.engine.take_sums(), float(self.expected_batch_size))
+        grads = self.noisy_average(self.engine.take_sums(), float(self.expected_batch_size),
+                                   [p.dtype for p in params])
         for p, g in zip(params, grads):
             p.grad = g if g.dtype == p.dtype else g.to(p.dtype)  # half precision: rounded once, here
         self.engine.adopt_current_grads()

@@ -1,5 +1,6 @@
 """Engine features against the per-example reference: sharing, freezing, reductions, clipping
 modes, accumulation, changing shapes, float32 accuracy, noise, detach."""
+import copy
 import math
 
 import pytest
@@ -229,6 +230,27 @@ def test_a_sample_whose_gradient_terms_cancel_is_still_clipped(monkeypatch, laye
     opt.step()
     got = float(model.weight.grad.double().norm())
     assert 0.99 * clip < got <= clip * (1 + 1e-5)  # C |g| / (|g| + 1e-6): a little below C
+
+
+def test_layers_called_with_keyword_arguments():
+    """``layer(input=x)`` is legal PyTorch; the hooked forward raised a TypeError."""
+    torch.manual_seed(5)
+    layers = [nn.Linear(3, 4), nn.LayerNorm(4), nn.RMSNorm(4), nn.Linear(4, 2)]
+    x = torch.randn(5, 3)
+
+    def clipped(keyword):
+        model = nn.ModuleList(copy.deepcopy(layers))
+        opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), module=model, noise_multiplier=0.0,
+                                 max_grad_norm=0.1, expected_batch_size=1, loss_reduction="sum")
+        h = x
+        for layer in model:
+            name = "x" if isinstance(layer, nn.RMSNorm) else "input"
+            h = layer(**{name: h}) if keyword else layer(h)
+        h.square().sum().backward()
+        opt.step()
+        return [p.grad for p in model.parameters()]
+
+    assert all(torch.equal(k, p) for k, p in zip(clipped(True), clipped(False)))
 
 
 def test_noise_std_is_sigma_c_over_expected_batch_size():

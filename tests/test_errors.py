@@ -121,6 +121,14 @@ def test_reentrant_checkpoint_next_to_the_loss_is_refused(reentrant):
     assert float(moved.norm()) <= 0.1 * (1 + 1e-6)  # one sample: clipped to C as a whole
 
 
+def test_trainable_parameters_outside_the_optimizer_are_named():
+    """Their .grad silently stayed None (no hooked layer computes it)."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    with pytest.warns(UserWarning, match=r"\['1.weight', '1.bias'\] require grad but are not in the DP optimizer"):
+        fastdp.DPOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.1), module=model, noise_multiplier=1.0,
+                           max_grad_norm=1.0, expected_batch_size=2)
+
+
 def test_optimizer_params_must_belong_to_module():
     model, other = nn.Linear(3, 2), nn.Linear(2, 2)
     with pytest.raises(fastdp.UnsupportedModuleError, match="not parameters of the module"):
