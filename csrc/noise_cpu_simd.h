@@ -66,8 +66,9 @@ inline VF32 sqrt_f32(VF32 x) {
 // Box-Muller on vectors: the lane-wise twin of fastdp::box_muller (philox.h), same
 // operations in the same order, so the same float32 results up to FMA contraction.
 inline void box_muller_v(VU32 w_radius, VU32 w_angle, VF32& z0, VF32& z1) {
-  // r = sqrt(-2 ln u), ln u = e ln 2 + 2 atanh((m - 1) / (m + 1)).
-  const VF32 u = (__builtin_convertvector((VI32)(w_radius >> 1), VF32) + 1.0f) * 4.656612873077392578125e-10f;
+  // r = sqrt(-2 ln u), ln u = e ln 2 + 2 atanh((m - 1) / (m + 1)); u of 39 bits (philox.h).
+  const VF32 fine = __builtin_convertvector((VI32)((w_angle & 0xffu) + 1u), VF32) * 0.00390625f;
+  const VF32 u = (__builtin_convertvector((VI32)(w_radius >> 1), VF32) + fine) * 4.656612873077392578125e-10f;
   const VI32 bits = (VI32)u, mantissa = bits & 0x007fffff;
   const VI32 big = mantissa > 0x003504f3;  // -1 where the mantissa is above sqrt(2)
   const VF32 m = (VF32)(mantissa | (big ? 0x3f000000 : 0x3f800000));
@@ -76,9 +77,10 @@ inline void box_muller_v(VU32 w_radius, VU32 w_angle, VF32& z0, VF32& z1) {
   const VF32 series = s2 * (1.0f / 3 + s2 * (1.0f / 5 + s2 * (1.0f / 7 + s2 * (1.0f / 9))));
   const VF32 ln_u = __builtin_convertvector(e, VF32) * 0.693147180559945f + (2.0f * s + 2.0f * s * series);
   const VF32 r = sqrt_f32(-2.0f * ln_u);
-  // (cos, sin) of the angle: quadrant from the top bits, Taylor series on |phi| <= pi/4.
-  const VU32 quadrant = (w_angle + 0x20000000u) >> 30;
-  const VF32 phi = __builtin_convertvector((VI32)(w_angle - (quadrant << 30)), VF32) * 1.4629180792671596e-09f;
+  // (cos, sin) of the angle (its top 24 bits): quadrant from the top bits, Taylor series on |phi| <= pi/4.
+  const VU32 turn = w_angle & 0xffffff00u;
+  const VU32 quadrant = (turn + 0x20000000u) >> 30;
+  const VF32 phi = __builtin_convertvector((VI32)(turn - (quadrant << 30)), VF32) * 1.4629180792671596e-09f;
   const VF32 p2 = phi * phi;
   const VF32 sn = phi * (1.0f + p2 * (-1.0f / 6 + p2 * (1.0f / 120 + p2 * (-1.0f / 5040 + p2 * (1.0f / 362880)))));
   const VF32 cs =

@@ -66,10 +66,15 @@ FASTDP_HD int32_t float_to_bits(float f) {
 #endif
 }
 
-// -2 ln u for the u in (0, 1] of a 32-bit word: u = m 2^e, m in [sqrt(1/2), sqrt(2)),
-// ln m = 2 atanh(s) with s = (m - 1)/(m + 1), |s| < 0.172, series to s^9.
-FASTDP_HD float minus_two_log_unit(uint32_t w) {
-  const float u = (static_cast<float>(static_cast<int32_t>(w >> 1)) + 1.0f) * 4.656612873077392578125e-10f;
+// -2 ln u for the u in (0, 1] of 39 random bits, the top 31 of w and the low 8 of `low`:
+// u = ((w >> 1) + ((low & 255) + 1) / 256) / 2^31, at least 2^-39, so the normals reach
+// |z| = 7.35 (with 31 bits they stopped at 6.556, a truncation of the Gaussian that a
+// worst-case neighbour can detect: about 1e-10 sqrt(d) / sigma of delta per step; now 1e-12).
+// Then u = m 2^e, m in [sqrt(1/2), sqrt(2)), ln m = 2 atanh(s) with s = (m - 1)/(m + 1),
+// |s| < 0.172, series to s^9.
+FASTDP_HD float minus_two_log_unit(uint32_t w, uint32_t low) {
+  const float fine = static_cast<float>(static_cast<int32_t>((low & 0xffu) + 1u)) * 0.00390625f;  // exact
+  const float u = (static_cast<float>(static_cast<int32_t>(w >> 1)) + fine) * 4.656612873077392578125e-10f;
   const int32_t bits = float_to_bits(u);
   int32_t e = ((bits >> 23) & 0xff) - 127;
   const int32_t big = (bits & 0x007fffff) > 0x003504f3;  // mantissa above sqrt(2)
@@ -95,11 +100,12 @@ FASTDP_HD void sincos_turn(uint32_t w, float& c, float& s) {
   s = (quadrant & 2u) ? -s_abs : s_abs;
 }
 
-// Two standard normals from two Philox words.
+// Two standard normals from two Philox words: the angle from the top 24 bits of w_angle,
+// the radius from w_radius and the low 8 bits of w_angle.
 FASTDP_HD void box_muller(uint32_t w_radius, uint32_t w_angle, float& z0, float& z1) {
   float c, s;
-  sincos_turn(w_angle, c, s);
-  const float r = sqrtf(minus_two_log_unit(w_radius));
+  sincos_turn(w_angle & 0xffffff00u, c, s);
+  const float r = sqrtf(minus_two_log_unit(w_radius, w_angle));
   z0 = r * c;
   z1 = r * s;
 }

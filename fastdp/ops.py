@@ -253,8 +253,8 @@ def noisy_average_ref(
     gen.manual_seed(seed)
     out = []
     for s in sums:
-        if std > 0:
-            z = torch.randn(s.shape, generator=gen, dtype=s.dtype, device=s.device)
+        if std > 0:  # drawn in float64: torch's float32 normals stop near 5.8 (a truncated Gaussian)
+            z = torch.randn(s.shape, generator=gen, dtype=torch.float64, device=s.device).to(s.dtype)
             out.append((s.add_(z, alpha=std) if inplace else s.add(z, alpha=std)).div_(divisor))
         else:
             out.append(s.div_(divisor) if inplace else s / divisor)

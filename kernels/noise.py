@@ -50,8 +50,11 @@ def _f32(x: float) -> torch.Tensor:
 
 
 def box_muller_ref(w_radius: torch.Tensor, w_angle: torch.Tensor):
-    """Two float32 normals from two uint32 words (int64 tensors), as in ``philox.h``."""
-    u = ((w_radius >> 1).to(torch.float32) + 1.0) * _f32(2.0**-31)
+    """Two float32 normals from two uint32 words (int64 tensors), as in ``philox.h``: the radius
+    from a 39-bit uniform (w_radius's top 31 bits, w_angle's low 8), the angle from w_angle's
+    top 24 bits."""
+    fine = ((w_angle & 0xFF) + 1).to(torch.float32) * _f32(2.0**-8)
+    u = ((w_radius >> 1).to(torch.float32) + fine) * _f32(2.0**-31)
     bits = u.view(torch.int32)
     e = ((bits >> 23) & 0xFF) - 127
     big = (bits & 0x7FFFFF) > 0x3504F3
@@ -61,8 +64,9 @@ def box_muller_ref(w_radius: torch.Tensor, w_angle: torch.Tensor):
     s2 = s * s
     series = s2 * (1 / 3 + s2 * (1 / 5 + s2 * (1 / 7 + s2 * (1 / 9))))
     r = torch.sqrt(-2.0 * (e * _f32(math.log(2.0)) + (2.0 * s + 2.0 * s * series)))
-    quadrant = ((w_angle + 0x20000000) & _MASK32) >> 30
-    rest = w_angle - (quadrant << 30)
+    turn = w_angle & 0xFFFFFF00
+    quadrant = ((turn + 0x20000000) & _MASK32) >> 30
+    rest = turn - (quadrant << 30)
     rest = torch.where(rest >= 2**31, rest - 2**32, rest)
     phi = rest.to(torch.float32) * _f32(_TURN)
     p2 = phi * phi
@@ -119,7 +123,8 @@ def _philox(c0, c1, c2, c3, k0, k1):
 @triton.jit
 def _box_muller(w_radius, w_angle):
     """Triton twin of ``box_muller_ref`` (uint32 words in, two float32 normals out)."""
-    u = ((w_radius >> 1).to(tl.int32).to(tl.float32) + 1.0) * 4.656612873077392578125e-10
+    fine = ((w_angle & 0xFF) + 1).to(tl.int32).to(tl.float32) * 0.00390625
+    u = ((w_radius >> 1).to(tl.int32).to(tl.float32) + fine) * 4.656612873077392578125e-10
     bits = u.to(tl.int32, bitcast=True)
     e = ((bits >> 23) & 0xFF) - 127
     big = (bits & 0x7FFFFF) > 0x3504F3
@@ -129,8 +134,9 @@ def _box_muller(w_radius, w_angle):
     s2 = s * s
     series = s2 * (1 / 3 + s2 * (1 / 5 + s2 * (1 / 7 + s2 * (1 / 9))))
     r = tl.sqrt(-2.0 * (e * 0.693147180559945 + (2.0 * s + 2.0 * s * series)))
-    quadrant = (w_angle + 0x20000000) >> 30
-    phi = (w_angle - (quadrant << 30)).to(tl.int32, bitcast=True).to(tl.float32) * 1.4629180792671596e-09
+    turn = w_angle & 0xFFFFFF00
+    quadrant = (turn + 0x20000000) >> 30
+    phi = (turn - (quadrant << 30)).to(tl.int32, bitcast=True).to(tl.float32) * 1.4629180792671596e-09
     p2 = phi * phi
     sn = phi * (1.0 + p2 * (-1 / 6 + p2 * (1 / 120 + p2 * (-1 / 5040 + p2 * (1 / 362880)))))
     cs = 1.0 + p2 * (-0.5 + p2 * (1 / 24 + p2 * (-1 / 720 + p2 * (1 / 40320 + p2 * (-1 / 3628800)))))

@@ -99,9 +99,10 @@ def test_box_muller_matches_float64_math():
     words[0, :4] = torch.tensor([0, 1, 2**32 - 1, 2**31])  # u at both ends
     words[1, :4] = torch.tensor([0, 2**30, 2**31, 3 * 2**30])  # quadrant boundaries
     z0, z1 = noise_ref.box_muller_ref(words[0], words[1])
-    u = (((words[0] >> 1).float() + 1) * 2.0**-31).double()  # u is rounded to float32 by design
+    # u: 39 bits (31 of the radius word, the angle word's low 8), rounded to float32 by design
+    u = (((words[0] >> 1).float() + ((words[1] & 255) + 1).float() / 256) * 2.0**-31).double()
     r = torch.sqrt(-2 * torch.log(u))
-    theta = 2 * math.pi * words[1].double() / 2**32
+    theta = 2 * math.pi * (words[1] & 0xFFFFFF00).double() / 2**32  # the angle word's top 24 bits
     tol = 4e-7 * (1 + r)
     assert ((z0.double() - r * torch.cos(theta)).abs() <= tol).all()
     assert ((z1.double() - r * torch.sin(theta)).abs() <= tol).all()
@@ -244,6 +245,16 @@ def test_linear_norm_kernels_large_batch_and_default_blocks(tri):
     assert rel_err(ln.linear_sq_norms_direct_triton(a, g).cpu(), exact) < 2e-6
     empty = a[:0]
     assert ln.linear_sq_norms_ghost_triton(empty, g[:0]).shape == (0,)
+
+
+def test_normals_reach_beyond_the_old_truncation():
+    """Box-Muller's radius takes a 39-bit uniform (31 bits of one word, 8 of the other), so the
+    largest normal is sqrt(-2 ln 2^-39) = 7.353; with 31 bits it was 6.556, a truncation of the
+    Gaussian worth ~1e-10 sqrt(d) / sigma of delta per step (review)."""
+    kn = pytest.importorskip("kernels.noise")
+    z0, _ = kn.box_muller_ref(torch.tensor([0, 0, 2]), torch.tensor([0, 255, 0]))  # angle 0: z0 = r
+    want = [math.sqrt(-2 * math.log(k * 2.0**-39)) for k in (1, 256, 256 + 1)]
+    torch.testing.assert_close(z0.double(), torch.tensor(want, dtype=torch.float64), rtol=1e-6, atol=0)
 
 
 def test_ghost_norms_survive_cancellation(tri):
