@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+import weakref
 from collections import defaultdict
 from typing import Dict, List, Optional, Sequence
 
@@ -72,6 +73,10 @@ class GradSampleEngine:
         self.skipped_samples = 0
         self._pending: List[Record] = []
         self._callback_queued = False
+        # layer inputs of this backward pass / of the earlier ones since the last step, by id:
+        # (weak reference, version), to tell the same samples backpropagated twice
+        self._pass_inputs: Dict[int, tuple] = {}
+        self._step_inputs: Dict[int, tuple] = {}
         self._owned_grads: Dict[torch.Tensor, tuple] = {}
         self._patched: List[nn.Module] = []
         self.adopt_current_grads()
@@ -130,6 +135,9 @@ class GradSampleEngine:
         self._pending = []
 
     def _record(self, rec: Record) -> None:
+        x = rec.activation[0] if isinstance(rec.activation, tuple) else rec.activation
+        if isinstance(x, torch.Tensor):
+            self._pass_inputs[id(x)] = (weakref.ref(x), x._version)
         rec.rule.prepare(rec)
         self._pending.append(rec)
         if not self._callback_queued:
@@ -139,6 +147,8 @@ class GradSampleEngine:
     # -- after each backward pass ---------------------------------------------------------
     def _finish_backward(self) -> None:
         records, self._pending, self._callback_queued = self._pending, [], False
+        inputs, self._pass_inputs = self._pass_inputs, {}
+        self._check_new_samples(inputs)
         if torch._C._current_autograd_node() is not None:
             # A backward pass run from inside another one's node (reentrant checkpointing): its
             # callback would clip the samples' gradients of this inner part on their own.
@@ -197,6 +207,23 @@ class GradSampleEngine:
         for p, grads in shared.items():
             self._accumulate(p, weighted_sum(coef_of(p), grads))
         self.samples_seen += batch
+
+    def _check_new_samples(self, inputs: Dict[int, tuple]) -> None:
+        """Each backward pass before a step adds its samples' clipped sums, so it must see new
+        samples: a layer input (same tensor, unchanged) already seen in an earlier pass since the
+        last step means the same samples twice, with noise for once."""
+        for key, (ref, version) in inputs.items():
+            seen = self._step_inputs.get(key)
+            x = ref()
+            if seen is not None and x is not None and seen[0]() is x and seen[1] == version:
+                self._step_inputs.update(inputs)
+                raise UnsupportedModuleError(
+                    "the same samples were backpropagated twice before step() (a layer saw the same "
+                    "input tensor in two backward() calls): fastdp clips each backward call's samples "
+                    "on their own, so they would count twice while the noise is scaled for once; add "
+                    "the losses and call backward() once"
+                )
+        self._step_inputs.update(inputs)
 
     def _coefficients(self, params: List[torch.Tensor], norms: List[torch.Tensor], scale: float,
                       total_sq: Optional[torch.Tensor], bad: Optional[torch.Tensor]):
@@ -307,8 +334,10 @@ class GradSampleEngine:
                 for p, s in zip(self.params, sums)]
         self.summed.clear()
         self.samples_seen = 0
+        self._step_inputs = {}
         return sums
 
     def clear(self) -> None:
         self.summed.clear()
         self.samples_seen = 0
+        self._step_inputs = {}

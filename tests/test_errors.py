@@ -129,6 +129,26 @@ def test_trainable_parameters_outside_the_optimizer_are_named():
                            max_grad_norm=1.0, expected_batch_size=2)
 
 
+def test_the_same_samples_backpropagated_twice_are_refused():
+    """Two losses of one batch, each with its own backward(): each call is clipped on its own
+    (virtual steps), so the batch's samples would count twice with noise for once (review)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    opt = make(model)
+    out = model(torch.randn(4, 3))
+    out[:, 0].sum().backward(retain_graph=True)
+    with pytest.raises(fastdp.UnsupportedModuleError, match="backpropagated twice before step"):
+        out[:, 1].sum().backward()
+    opt.zero_grad()
+    buffer = torch.empty(4, 3)
+    for _ in range(2):  # virtual steps, even through one refilled input buffer, are fine
+        buffer.copy_(torch.randn(4, 3))
+        model(buffer).sum().backward()
+    opt.step()
+    model(buffer).sum().backward()  # a new step may see them again
+    opt.step()
+
+
 def test_optimizer_params_must_belong_to_module():
     model, other = nn.Linear(3, 2), nn.Linear(2, 2)
     with pytest.raises(fastdp.UnsupportedModuleError, match="not parameters of the module"):
