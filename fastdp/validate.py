@@ -25,7 +25,8 @@ def find_problems(module: nn.Module, params: Optional[Iterable[torch.Tensor]] = 
         if isinstance(child, _BatchNorm):
             problems.append(
                 f"{where}: BatchNorm mixes the samples of a batch, so per-sample gradients do not "
-                "exist; replace it with GroupNorm (model = fastdp.fix(model))"
+                "exist (and in train mode it updates running statistics from them, frozen or not); "
+                "replace it with GroupNorm (model = fastdp.fix(model))"
             )
             continue
         rule = rule_for(child)
