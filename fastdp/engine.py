@@ -10,7 +10,9 @@ backward pass has finished, an autograd callback
 2. turns them into clipping coefficients with the clipping policy,
 3. adds ``sum_i c_i * grad_i`` to the parameter's clipped-sum buffer.
 
-Several backward passes before one optimizer step accumulate (virtual steps). A
+Several backward passes before one optimizer step accumulate (virtual steps); each must
+bring new samples (a layer input seen again, unchanged, is refused), and a pass that
+accumulates no parameter gradient (``torch.autograd.grad``) adds nothing. A
 parameter used by more than one call (tied weights, a layer applied twice) has its
 per-sample gradients instantiated and summed, so its norm includes the cross terms.
 """

@@ -9,8 +9,8 @@ Conventions (DP-SGD, Abadi et al. 2016, as Opacus states them):
   expected batch size q N, never the actual one (dividing by it would leak it).
 
 ``step()`` writes that average into ``p.grad`` and runs the wrapped optimizer. Several
-``backward()`` calls before one ``step()`` accumulate clipped sums (virtual steps): the
-noise is added once per step. After ``backward()`` and before ``step()``, ``p.grad`` is not
+``backward()`` calls before one ``step()`` accumulate clipped sums (virtual steps, each over
+different samples): the noise is added once per step. After ``backward()`` and before ``step()``, ``p.grad`` is not
 populated: autograd skips the unclipped weight gradients entirely.
 """
 from __future__ import annotations
