@@ -775,7 +775,7 @@ void conv2d_sq_norms(const F* x, const F* g, const Conv2dGeometry& c, bool ghost
 #pragma omp parallel
   {
     Scratch<F> phases(wide.phase_elements()), cols(ghost ? d * wide.T : 0), gw(wide.T * p_pad),
-        pa(TB * std::max(d, TC));
+        pa(2 * TC * W);  // the direct route's packed vectors (the ghost route has its own scratch)
     Scratch<F> gin(plan ? plan->g_elements(p) : 0), dcols(plan ? plan->cols_elements(d) : 0),
         dx_images(plan ? InputGradPlan::image_elements(wide, W) : 0);
     if (plan) std::fill(dcols.get(), dcols.get() + plan->cols_elements(d), F(0));

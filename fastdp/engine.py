@@ -214,18 +214,17 @@ class GradSampleEngine:
         """Each backward pass before a step adds its samples' clipped sums, so it must see new
         samples: a layer input (same tensor, unchanged) already seen in an earlier pass since the
         last step means the same samples twice, with noise for once."""
-        for key, (ref, version) in inputs.items():
-            seen = self._step_inputs.get(key)
-            x = ref()
-            if seen is not None and x is not None and seen[0]() is x and seen[1] == version:
-                self._step_inputs.update(inputs)
-                raise UnsupportedModuleError(
-                    "the same samples were backpropagated twice before step() (a layer saw the same "
-                    "input tensor in two backward() calls): fastdp clips each backward call's samples "
-                    "on their own, so they would count twice while the noise is scaled for once; add "
-                    "the losses and call backward() once"
-                )
-        self._step_inputs.update(inputs)
+        seen = self._step_inputs
+        repeated = any(key in seen and ref() is not None and seen[key][0]() is ref() and seen[key][1] == version
+                       for key, (ref, version) in inputs.items())
+        seen.update(inputs)
+        if repeated:
+            raise UnsupportedModuleError(
+                "the same samples were backpropagated twice before step() (a layer saw the same "
+                "input tensor in two backward() calls): fastdp clips each backward call's samples "
+                "on their own, so they would count twice while the noise is scaled for once; add "
+                "the losses and call backward() once"
+            )
 
     def _coefficients(self, params: List[torch.Tensor], norms: List[torch.Tensor], scale: float,
                       total_sq: Optional[torch.Tensor], bad: Optional[torch.Tensor]):
@@ -334,12 +333,11 @@ class GradSampleEngine:
         sums = [self.summed.pop(p, None) for p in self.params]
         sums = [torch.zeros_like(p, dtype=compute_dtype(p.dtype)) if s is None else s
                 for p, s in zip(self.params, sums)]
-        self.summed.clear()
-        self.samples_seen = 0
-        self._step_inputs = {}
+        self.clear()
         return sums
 
     def clear(self) -> None:
+        """Drop the clipped sums and what the passes since the last step saw."""
         self.summed.clear()
         self.samples_seen = 0
         self._step_inputs = {}

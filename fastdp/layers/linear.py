@@ -106,8 +106,8 @@ class LinearRule(LayerRule):
         return a.view(batch, seq, a.shape[1]), g.view(batch, seq, g.shape[1])
 
     def sq_norms(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
-        if self._seq(rec) == 1:  # found by prepare
-            return {name: rec.norms[name] for name in names}
+        if self._seq(rec) == 1:  # prepare found them
+            return super().sq_norms(rec, names)
         out = {}
         for name in names:
             if name == "weight":
