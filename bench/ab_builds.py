@@ -2,7 +2,7 @@
 
     # build the baseline, keep a copy, rebuild the change, then:
     .venv/bin/python bench/ab_builds.py OLD.so NEW.so [--configs mnist-cnn-b64,cifar-cnn-gn] [--rounds 300]
-    .venv/bin/python bench/ab_builds.py OLD.so NEW.so --conv-calls     # the fused conv kernel alone
+    .venv/bin/python bench/ab_builds.py OLD.so NEW.so --calls conv     # one kernel's calls: conv, linear, noise
 
 Each build is copied into a package of its own (Python caches an extension module by its
 name, so two files imported under the same name would give one module twice) and the
@@ -85,17 +85,44 @@ def step_table(builds: dict, configs, rounds: int) -> None:
               flush=True)
 
 
-def conv_table(builds: dict, rounds: int, batch: int = 64) -> None:
-    print(f"{'layer':12s} {'route':12s} {'old µs':>8s} {'new µs':>8s} {'new/old':>8s}  (minimum, B={batch})")
+def calls_table(builds: dict, calls, rounds: int) -> None:
+    """Per-call minimum of each build, alternated: ``calls`` yields (label, function)."""
+    print(f"{'call':44s} {'old µs':>9s} {'new µs':>9s} {'new/old':>8s}  (minimum)")
+    for label, run in calls:
+        times = alternate(builds, run, rounds, warmup=5)
+        old, new = (1e6 * min(times[k]) for k in ("old", "new"))
+        print(f"{label:44s} {old:9.0f} {new:9.0f} {new / old:8.2f}", flush=True)
+
+
+def conv_calls(batch: int = 64):
+    """The fused conv kernel on the CNNs' layers, both routes."""
     for name, (shape, weight_shape, spec) in CONV_LAYERS.items():
         x = torch.randn(batch, *shape)
         g = torch.randn_like(torch.nn.functional.conv2d(x, torch.randn(weight_shape), None, spec.stride,
                                                         spec.padding))
         for route, ghost, keep in (("direct-keep", False, True), ("ghost", True, False)):
-            times = alternate(builds, lambda: _native_ops.conv_sq_norms(x, g, spec, ghost, keep_grads=keep,
-                                                                        bias_grads=True), rounds, warmup=20)
-            old, new = (1e6 * min(times[k]) for k in ("old", "new"))
-            print(f"{name:12s} {route:12s} {old:8.0f} {new:8.0f} {new / old:8.2f}", flush=True)
+            yield (f"{name} {route} B={batch}",
+                   lambda x=x, g=g, spec=spec, ghost=ghost, keep=keep: _native_ops.conv_sq_norms(
+                       x, g, spec, ghost, keep_grads=keep, bias_grads=True))
+
+
+LINEAR_CALLS = ((32, 128, 256, 256), (32, 128, 256, 768), (32, 128, 256, 1024), (32, 128, 1024, 256),
+                (32, 128, 256, 10000), (2, 512, 4096, 4096))  # the transformer's and the wide linear's shapes
+
+
+def linear_calls():
+    """The linear ghost and direct norms at the transformer's and the wide linear's shapes (float32)."""
+    for b, t, d, p in LINEAR_CALLS:
+        a, g = torch.randn(b, t, d), torch.randn(b, t, p)
+        for op in ("linear_sq_norms_ghost", "linear_sq_norms_direct"):
+            yield f"{op[16:]} B{b} T{t} d{d} p{p}", lambda a=a, g=g, fn=getattr(_native_ops, op): fn(a, g)
+
+
+def noise_calls():
+    """The noise kernel in place (as the optimizer calls it) on one tensor."""
+    for n in (1 << 20, 8_400_000):
+        s = [torch.randn(n)]
+        yield f"noise in place {n / 1e6:.1f}M", lambda s=s: _native_ops.noisy_average(s, 1.0, 1.0, 7, inplace=True)
 
 
 def main() -> None:
@@ -103,8 +130,9 @@ def main() -> None:
     parser.add_argument("old", help="the baseline build of fastdp._C (a .so file)")
     parser.add_argument("new", help="the build to compare with it")
     parser.add_argument("--configs", default="mnist-cnn-b64,mnist-cnn-b256,cifar-cnn-gn")
-    parser.add_argument("--rounds", type=int, default=300)
-    parser.add_argument("--conv-calls", action="store_true", help="time the fused conv kernel alone instead")
+    parser.add_argument("--rounds", type=int, help="alternations of the two builds (default 300 steps, 30 calls)")
+    parser.add_argument("--calls", choices=("conv", "linear", "noise"),
+                        help="time one kernel's calls instead of engine steps")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -115,10 +143,11 @@ def main() -> None:
         parser.error(f"unknown config(s) {unknown}; choose from {list(bench.CONFIGS)}")
     builds = load_builds(args.old, args.new)
     print(f"torch {torch.__version__}, {args.threads} threads")
-    if args.conv_calls:
-        conv_table(builds, args.rounds)
+    if args.calls:
+        calls_table(builds, {"conv": conv_calls, "linear": linear_calls, "noise": noise_calls}[args.calls](),
+                    args.rounds or 30)
     else:
-        step_table(builds, configs, args.rounds)
+        step_table(builds, configs, args.rounds or 300)
 
 
 if __name__ == "__main__":
