@@ -6,11 +6,12 @@
 // counter = (c_lo, c_hi, k, 0)) with c = (e / (4*kGroup)) * kGroup + e % kGroup.
 // So each group of 4*kGroup elements is written as 4 contiguous runs, one per
 // Philox output word. Words (w0, w1) and (w2, w3) each give two normals by
-// Box-Muller: r = sqrt(-2 ln u), u = (floor(w0 / 2) + 1) / 2^31 in (0, 1];
-// angle = 2 pi w1 / 2^32; z = (r cos, r sin). The quadrant of the angle comes
-// from the top two bits of w1, so the range reduction is exact; ln, sin and cos
-// are short branchless polynomials (atanh and Taylor series) accurate to float32
-// rounding. |z| <= sqrt(62 ln 2) ~ 6.56, a tail of probability 5e-11.
+// Box-Muller: r = sqrt(-2 ln u) with u = (floor(w0 / 2) + ((w1 & 255) + 1) / 256) / 2^31
+// in (0, 1], a uniform of 39 bits; angle = 2 pi (w1 & ~255) / 2^32, its top 24 bits;
+// z = (r cos, r sin). The quadrant of the angle comes from the top two bits of w1, so
+// the range reduction is exact; ln, sin and cos are short branchless polynomials (atanh
+// and Taylor series) accurate to float32 rounding. |z| <= sqrt(78 ln 2) ~ 7.353, a tail
+// of probability 2e-13.
 #pragma once
 #include <math.h>
 
