@@ -240,21 +240,25 @@ def embedding_sq_norms_ref(
 def noisy_average_ref(
     sums: Sequence[torch.Tensor], std: float, divisor: float, seed: int, inplace: bool = False
 ) -> List[torch.Tensor]:
-    """``(s + std * z) / divisor`` for every tensor, ``z ~ N(0, I)`` drawn from ``seed``.
+    """``(s + std * z) / divisor`` for every tensor, ``z ~ N(0, I)`` drawn from the 64-bit ``seed``.
 
-    One generator seeded once per call draws the parameters' noise one after another,
-    so streams of distinct parameters and of distinct seeds are independent.
+    torch's CPU generator (mt19937) keeps only the low 32 bits of a seed, which would give
+    two steps of a long run the same noise by chance (even odds within ~77k steps). So two
+    generators, seeded with the seed's low and high 32-bit words, each draw the parameters'
+    normals one after another, and ``z`` is their sum over sqrt(2): distinct seeds give
+    distinct noise, and streams of distinct parameters are independent.
     ``inplace=True`` lets an implementation write the result into ``sums`` (which the
     caller then no longer uses); the returned list is the result either way.
     """
     if not sums:
         return []
-    gen = torch.Generator(device=sums[0].device)
-    gen.manual_seed(seed)
+    gens = [torch.Generator(device=sums[0].device).manual_seed(word)
+            for word in (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF)]
     out = []
     for s in sums:
         if std > 0:  # drawn in float64: torch's float32 normals stop near 5.8 (a truncated Gaussian)
-            z = torch.randn(s.shape, generator=gen, dtype=torch.float64, device=s.device).to(s.dtype)
+            z = sum(torch.randn(s.shape, generator=g, dtype=torch.float64, device=s.device) for g in gens)
+            z = z.mul_(1 / math.sqrt(2)).to(s.dtype)
             out.append((s.add_(z, alpha=std) if inplace else s.add(z, alpha=std)).div_(divisor))
         else:
             out.append(s.div_(divisor) if inplace else s / divisor)

@@ -210,6 +210,18 @@ def test_noise_reproducible_and_scaled():
     assert not torch.equal(z, native.noisy_average([torch.zeros_like(s)], 1.0, 1.0, 43)[0])
 
 
+@pytest.mark.parametrize("backend", ["reference", "native"])
+def test_noise_depends_on_all_64_bits_of_the_seed(backend):
+    """torch's CPU generator keeps 32 bits of a seed: seeds differing only in their high word gave
+    the reference backend the same noise (two steps of a long run collided by chance)."""
+    impl = {"reference": ops.noisy_average_ref, "native": native.noisy_average}[backend]
+    seed = 0x0123456789ABCDEF
+    draws = [impl([torch.zeros(1000)], 1.0, 1.0, s)[0] for s in (seed, seed ^ (1 << 40), seed ^ 1)]
+    assert not torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
+    z = ops.noisy_average_ref([torch.zeros(200_000, dtype=torch.float64)], 1.0, 1.0, seed)[0]
+    assert abs(z.mean().item()) < 5 / 200_000**0.5 and abs(z.var().item() - 1) < 5 * (2 / 200_000) ** 0.5
+
+
 # --------------------------------------------------------------------------- norms
 
 

@@ -69,10 +69,10 @@ def test_every_step_and_batch_draws_os_entropy(monkeypatch):
     monkeypatch.setattr(os, "urandom", lambda n: calls.append(n) or real(n))
     model = nn.Linear(3, 2)
     opt = optimizer(model, secure_mode=True)
-    calls.clear()
     for _ in range(3):
+        calls.clear()
         opt.step()
-    assert len(calls) == 3
+        assert sum(calls) >= 16 * 8  # two normals of two 64-bit words for each of the 8 coordinates
     sampler = PoissonBatchSampler(100, 0.1, steps=4, secure_mode=True)
     calls.clear()
     list(sampler)
@@ -100,3 +100,40 @@ def test_make_private_secure_mode_trains():
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
     assert opt.accountant.history == [(1.0, 0.25, 4)]
+
+
+def test_secure_noise_comes_from_every_bit_of_os_entropy(monkeypatch):
+    """No seeded generator in between: torch's CPU generator keeps 32 bits of a seed, which left
+    2^32 possible noise vectors per step (searchable against one released gradient)."""
+    def stream(flip_high_bits):
+        state = {"n": 0}
+
+        def urandom(n):
+            out = bytearray((state["n"] + i) * 37 % 251 for i in range(n))
+            if flip_high_bits:  # change only bytes 4..7 of every 8-byte word
+                for i in range(n):
+                    if (state["n"] + i) % 8 >= 4:
+                        out[i] ^= 0x5A
+            state["n"] += n
+            return bytes(out)
+        return urandom
+
+    draws = []
+    for flip in (False, False, True):
+        monkeypatch.setattr(os, "urandom", stream(flip))
+        draws.append(secure_noisy_average([torch.zeros(64, dtype=torch.float64)], 1.0, 1.0)[0])
+    assert torch.equal(draws[0], draws[1])  # a function of the OS bytes alone
+    assert not torch.equal(draws[0], draws[2])
+
+
+def test_os_normals_are_standard_normal():
+    from scipy import stats
+
+    from fastdp.secure import os_normals
+    z = os_normals(300_001)
+    assert z.dtype == torch.float64 and z.shape == (300_001,)
+    assert stats.kstest(z.numpy(), "norm").pvalue > 1e-4
+    assert abs(z.mean().item()) < 5 / math.sqrt(z.numel())
+    assert abs(z.var().item() - 1) < 5 * math.sqrt(2 / z.numel())
+    assert z.abs().max().item() <= math.sqrt(-2 * math.log(2.0**-53))  # 53-bit uniforms: |z| <= 8.57
+    assert os_normals(0).shape == (0,) and os_normals(1).shape == (1,)
