@@ -25,6 +25,7 @@ from torch import nn
 from fastdp import ops, secure
 from fastdp.clipping import make_clipping
 from fastdp.engine import GradSampleEngine
+from fastdp.layers import UnsupportedModuleError
 
 
 _MASK64 = 2**64 - 1
@@ -94,8 +95,9 @@ class DPOptimizer(torch.optim.Optimizer):
         self.expected_batch_size = expected_batch_size
         self.loss_reduction = loss_reduction
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        self._clipping_mode, self._gamma = clipping, gamma
         self.clipping = make_clipping(clipping, max_grad_norm, params, gamma)
-        self.max_grad_norm = max_grad_norm
+        self._max_grad_norm = max_grad_norm
         self.engine = GradSampleEngine(module, params, self.clipping, loss_reduction, nonfinite)
         self._noise_key = (seed if seed is not None else int.from_bytes(os.urandom(8), "little")) & _MASK64
         self._noise_draws = 0  # seeds handed out so far: the next one is a function of (key, draws)
@@ -105,6 +107,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self._logical_batch_open = False  # a skipped step left clipped sums to keep
         self._step_hooks: List[Callable[["DPOptimizer"], None]] = []
         self.accountant = None
+        self._patch_step_function()  # step pre/post hooks run, as for any torch.optim optimizer
 
     # -- what torch.optim.Optimizer users and LR schedulers read --------------------------
     @property
@@ -128,6 +131,24 @@ class DPOptimizer(torch.optim.Optimizer):
                 f"inner={self.original_optimizer!r})")
 
     # -- DP-SGD ----------------------------------------------------------------------------
+    @property
+    def max_grad_norm(self) -> Union[float, Sequence[float]]:
+        """C. Setting it (a clipping-bound schedule) applies from the next backward pass, and the
+        noise follows (sigma times the new sensitivity); only between a step and the next
+        backward, so that one step's clipped sums and its noise share one bound."""
+        return self._max_grad_norm
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: Union[float, Sequence[float]]) -> None:
+        if self.engine.summed or self._logical_batch_open:
+            raise RuntimeError(
+                "max_grad_norm changed while clipped sums for the coming step exist (clipped to the old "
+                "bound, the noise would be scaled for the new one): change it after step() and before the "
+                "next backward()")
+        self.clipping = self.engine.clipping = make_clipping(self._clipping_mode, value, self.engine.params,
+                                                             self._gamma)
+        self._max_grad_norm = value
+
     @property
     def noise_std(self) -> float:
         """Std of the Gaussian noise on the summed clipped gradient: sigma times the sensitivity."""
@@ -171,14 +192,37 @@ class DPOptimizer(torch.optim.Optimizer):
         return ops.noisy_average(sums, self.noise_std, divisor, self.next_seed(), inplace=True)
 
     def privatise_grads(self) -> None:
-        """Write ``(sum of clipped grads + N(0, (sigma C)^2)) / expected_batch_size`` into ``.grad``."""
-        params = self.engine.params
+        """Write ``(sum of clipped grads + N(0, (sigma C)^2)) / expected_batch_size`` into ``.grad``
+        of every private parameter that still requires grad (frozen since: ``.grad = None``)."""
+        self._check_trainable()
         self.engine.check_foreign_grads()  # also where no hooked layer ran, so no backward callback did
-        grads = self.noisy_average(self.engine.take_sums(), float(self.expected_batch_size),
-                                   [p.dtype for p in params])
+        sums = self.engine.take_sums()
+        params = self.engine.params
+        if not all(p.requires_grad for p in params):
+            for p in params:
+                if not p.requires_grad:
+                    p.grad = None
+            sums = [s for p, s in zip(params, sums) if p.requires_grad]
+            params = [p for p in params if p.requires_grad]
+        grads = self.noisy_average(sums, float(self.expected_batch_size), [p.dtype for p in params])
         for p, g in zip(params, grads):
             p.grad = g if g.dtype == p.dtype else g.to(p.dtype)  # half precision: rounded once, here
         self.engine.adopt_current_grads()
+
+    def _check_trainable(self) -> None:
+        """Refuse a parameter that trains in the wrapped optimizer but is not private: unfrozen or
+        added (``add_param_group`` on the wrapped optimizer) after this optimizer was built, it
+        gets no clipped gradient, or a raw one from autograd where its layer was not hooked."""
+        private = self.engine._private_ids
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and id(p) not in private:
+                    raise UnsupportedModuleError(
+                        f"parameter '{self.engine.names.get(p, '?')}' trains in the optimizer but did not when "
+                        "the DPOptimizer was built (unfrozen, or added to the wrapped optimizer, since): fastdp "
+                        "computes no clipped gradient for it, and a gradient autograd wrote would be neither "
+                        "clipped nor noised; build the DPOptimizer again (detach() this one first) after "
+                        "changing which parameters train")
 
     def step(self, closure=None):
         loss = None
@@ -215,13 +259,25 @@ class DPOptimizer(torch.optim.Optimizer):
 
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self):
-        return {
+        for pre_hook in self._optimizer_state_dict_pre_hooks.values():
+            pre_hook(self)
+        state = {
             "optimizer": self.original_optimizer.state_dict(),
             "steps": self.steps,
             "noise_seed_state": {"key": self._noise_key, "draws": self._noise_draws},
         }
+        for post_hook in self._optimizer_state_dict_post_hooks.values():
+            state = post_hook(self, state) or state
+        return state
 
     def load_state_dict(self, state_dict) -> None:
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            state_dict = pre_hook(self, state_dict) or state_dict
+        self._load_state(state_dict)
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
+
+    def _load_state(self, state_dict) -> None:
         self.original_optimizer.load_state_dict(state_dict["optimizer"])
         self.steps = state_dict["steps"]
         seeds = state_dict["noise_seed_state"]

@@ -356,3 +356,48 @@ def test_fused_norm_layers_save_no_more_than_autograd(make, shape):
                              noise_multiplier=0.0, max_grad_norm=1.0, expected_batch_size=1)
     assert _saved_bytes(model, x) <= plain
     opt.detach()
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer", "automatic"])
+def test_max_grad_norm_can_be_scheduled_between_steps(clipping):
+    """A clipping-bound schedule (e.g. Opacus' StepGradClip) sets optimizer.max_grad_norm: it was
+    silently ignored (review). The new bound clips from the next backward; the noise follows."""
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), module=model, noise_multiplier=0.0,
+                             max_grad_norm=1.0, expected_batch_size=1, loss_reduction="sum", clipping=clipping)
+    x = torch.randn(1, 6) * 100
+    for bound in (1.0, 0.1, 0.01):
+        opt.max_grad_norm = bound
+        assert opt.noise_std == 0.0 and opt.max_grad_norm == bound
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+        norm = torch.cat([p.grad.flatten() for p in model.parameters()]).norm().item()
+        assert norm == pytest.approx(bound, rel=1e-3 if clipping == "automatic" else 1e-5)
+    small = nn.Linear(2, 2)
+    noisy = fastdp.DPOptimizer(torch.optim.SGD(small.parameters(), lr=0.0), module=small,
+                               noise_multiplier=2.0, max_grad_norm=1.0, expected_batch_size=1)
+    noisy.max_grad_norm = 0.5
+    assert noisy.noise_std == pytest.approx(1.0)
+    model(x).sum().backward()  # clipped sums pending: clipped to the old bound, so refused
+    with pytest.raises(RuntimeError, match="after step"):
+        opt.max_grad_norm = 5.0
+
+
+def test_optimizer_hooks_run():
+    """Hooks registered on the DPOptimizer (torch.optim's API) were accepted and never called (review)."""
+    model = nn.Linear(4, 2)
+    opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), module=model, noise_multiplier=1.0,
+                             max_grad_norm=1.0, expected_batch_size=4)
+    calls = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append("step pre"))
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append("step post"))
+    opt.register_state_dict_pre_hook(lambda o: calls.append("state pre"))
+    opt.register_state_dict_post_hook(lambda o, state: calls.append("state post"))
+    opt.register_load_state_dict_pre_hook(lambda o, state: calls.append("load pre"))
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("load post"))
+    model(torch.randn(4, 4)).sum().backward()
+    opt.step()
+    opt.load_state_dict(opt.state_dict())
+    assert calls == ["step pre", "step post", "state pre", "state post", "load pre", "load post"]

@@ -255,3 +255,51 @@ def test_second_optimizer_on_a_hooked_module_is_refused():
         make(model)
     first.detach()
     make(model)  # fine once the first one let go
+
+
+def _one_step(model, opt, x):
+    opt.zero_grad()
+    model(x).sum().backward()
+    opt.step()
+
+
+@pytest.mark.parametrize("how", ["unfreeze", "add_param_group"])
+def test_parameters_that_start_training_after_wrapping_are_refused(how):
+    """Unfrozen (or added to the wrapped optimizer) after the DPOptimizer was built: a layer that
+    was not hooked got autograd's raw gradient, applied without clipping or noise (review)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    head = list(model[2].parameters())
+    if how == "unfreeze":
+        model[0].requires_grad_(False)
+        inner = torch.optim.SGD(model.parameters(), lr=1.0)
+    else:
+        inner = torch.optim.SGD(model[0].parameters(), lr=1.0)
+        for p in head:
+            p.requires_grad_(False)
+    opt = fastdp.DPOptimizer(inner, module=model, noise_multiplier=0.0, max_grad_norm=1e-3, expected_batch_size=4)
+    if how == "unfreeze":
+        model[0].requires_grad_(True)
+    else:
+        for p in head:
+            p.requires_grad_(True)
+        inner.add_param_group({"params": head})
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(fastdp.UnsupportedModuleError, match="did not when the DPOptimizer was built"):
+        _one_step(model, opt, torch.randn(4, 4) * 100)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))  # nothing applied
+
+
+def test_parameters_frozen_after_wrapping_stay_put():
+    """They were still given noise as a gradient, so the optimizer moved them (review)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    opt = make(model, noise_multiplier=1.0)
+    _one_step(model, opt, torch.randn(4, 4))
+    model[0].requires_grad_(False)
+    frozen = [p.detach().clone() for p in model[0].parameters()]
+    _one_step(model, opt, torch.randn(4, 4))
+    assert all(torch.equal(p, b) and p.grad is None for p, b in zip(model[0].parameters(), frozen))
+    assert all(p.grad is not None for p in model[2].parameters())
+    model[0].requires_grad_(True)  # private from the start: may train again
+    _one_step(model, opt, torch.randn(4, 4))
+    assert all(not torch.equal(p, b) for p, b in zip(model[0].parameters(), frozen))
