@@ -58,6 +58,9 @@ def make_private(
     if target_epsilon is not None:
         if target_delta is None or epochs is None:
             raise ValueError("target_epsilon needs target_delta and epochs to calibrate the noise")
+        if not epochs > 0:
+            raise ValueError(f"epochs={epochs!r}: calibrating the noise needs the number of epochs you will "
+                             "train (> 0); with no step planned any noise meets the target, even none")
         steps = int(math.ceil(epochs * steps_per_epoch))
         noise_multiplier = accounting.calibrate_noise(
             target_epsilon=target_epsilon, delta=target_delta, sample_rate=sample_rate,

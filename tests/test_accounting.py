@@ -431,3 +431,12 @@ def test_cli_is_wired_into_fastdp_main(capsys):
     assert main(["epsilon", "--sigma", "2", "-q", "1", "-T", "4", "--accountant", "pld"]) == 0
     out = capsys.readouterr().out
     assert float(out.split()[2]) == pytest.approx(gaussian_epsilon(1.0, 1e-5), rel=1e-5)
+
+
+@pytest.mark.parametrize("sigma", [0.03, 0.02, 0.01])
+def test_pld_with_losses_beyond_float_range_falls_back_to_rdp(sigma):
+    """Very small sigma: the PLD grid's e^loss overflowed and epsilon crashed on a NaN (review)."""
+    for q in (0.5, 0.01):
+        pld, rdp = accounting.epsilon(sigma, q, 1, 1e-5), accounting.epsilon(sigma, q, 1, 1e-5, "rdp")
+        assert math.isfinite(pld) and pld == pytest.approx(rdp) and pld > 500
+

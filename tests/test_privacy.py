@@ -71,3 +71,11 @@ def test_make_private_argument_errors(kw, match):
     model, opt, loader = setup()
     with pytest.raises(ValueError, match=match):
         fastdp.make_private(module=model, optimizer=opt, data_loader=loader, max_grad_norm=1.0, **kw)
+
+
+def test_make_private_needs_epochs_to_calibrate():
+    model = nn.Linear(2, 2)
+    loader = DataLoader(TensorDataset(torch.zeros(8, 2)), batch_size=2)
+    with pytest.raises(ValueError, match="epochs"):
+        fastdp.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
+                            target_epsilon=1.0, target_delta=1e-5, epochs=0, max_grad_norm=1.0)

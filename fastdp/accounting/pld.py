@@ -139,6 +139,8 @@ def pld_epsilon(pld: DiscretePLD, delta: float) -> float:
 
 
 # --------------------------------------------------------------------------- one step
+MAX_LOSS = 600.0  # grid losses stay below this: e^loss must not overflow float64 (e^709)
+
 def _loss_range(direction: str, sigma: float, q: float, tail: float) -> Tuple[float, float]:
     """Losses between which all but ``tail`` of P's mass lies (each side)."""
     z = -special.ndtri(tail)  # P(N(0,1) > z) = tail
@@ -188,6 +190,9 @@ def subsampled_gaussian_pld(
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
     lo_loss, hi_loss = _loss_range(direction, sigma, q, tail)
+    # Beyond MAX_LOSS e^loss overflows: the mass above goes to +inf and the mass below is
+    # rounded up onto the first point, both pessimistic (only very small sigma gets there).
+    lo_loss, hi_loss = max(lo_loss, -MAX_LOSS), min(hi_loss, MAX_LOSS)
     i0 = math.floor(lo_loss / interval)
     i1 = max(math.ceil(hi_loss / interval), i0 + 1)
     idx = np.arange(i0, i1 + 1, dtype=np.float64)
@@ -477,7 +482,14 @@ class PLDAccountant(Accountant):
         if all(q == 1.0 for _, q in counts):
             mu = math.sqrt(sum(steps / sigma**2 for (sigma, _), steps in counts.items()))
             return gaussian_epsilon(mu, delta)
-        return max(self.direction_epsilons(counts, delta).values())
+        epsilon = max(self.direction_epsilons(counts, delta).values())
+        if math.isinf(epsilon):  # losses past the grid (sigma of a few hundredths): RDP still bounds it
+            from .rdp import RDPAccountant
+            rdp = RDPAccountant()
+            for (sigma, q), steps in counts.items():
+                rdp.step(noise_multiplier=sigma, sample_rate=q, num_steps=steps)
+            epsilon = rdp.epsilon(delta)
+        return epsilon
 
     def direction_epsilons(self, counts: Dict[Tuple[float, float], int], delta: float) -> Dict[str, float]:
         """epsilon of the composed PLD in each direction for ``{(sigma, q): steps}``."""
