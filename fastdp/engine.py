@@ -19,6 +19,7 @@ per-sample gradients instantiated and summed, so its norm includes the cross ter
 from __future__ import annotations
 
 import inspect
+import types
 import warnings
 import weakref
 from collections import defaultdict
@@ -91,6 +92,8 @@ class GradSampleEngine:
             rule = rule_for(module)
             if rule is None or not rule.trainable(module):
                 continue
+            if getattr(module.__dict__.get("forward"), "fastdp_module", module) is not module:
+                del module.forward  # a copy's hook (copy.deepcopy of a hooked module): inert, replaced
             if "forward" in module.__dict__:
                 owner = getattr(module.forward, "fastdp_engine", None)
                 self.detach()
@@ -115,19 +118,21 @@ class GradSampleEngine:
                 "or give them to the optimizer", UserWarning, stacklevel=4)
 
     def _hooked_forward(self, module: nn.Module, rule):
-        plain = type(module).forward.__get__(module)
-        signature = inspect.signature(plain)
+        """``module``'s hooked forward, a method bound to it: ``copy.deepcopy`` rebinds it to the
+        copy, which then runs its plain forward (a copy is not private, e.g. an EMA model)."""
+        plain = type(module).forward
+        signature = inspect.signature(plain.__get__(module))
 
-        def forward(*args, **kwargs):
-            params = rule.trainable(module) if torch.is_grad_enabled() else None
+        def forward(owner, *args, **kwargs):
+            params = rule.trainable(module) if owner is module and torch.is_grad_enabled() else None
             if not params:
-                return plain(*args, **kwargs)
+                return plain(owner, *args, **kwargs)
             if kwargs:  # by the layer's own argument names (nn.Linear(...)(input=x)): passed on by position
                 args, kwargs = signature.bind(*args, **kwargs).args, {}
             return rule.forward(module, Tap(self._record, module, rule, params), *args, **kwargs)
 
-        forward.fastdp_engine = self
-        return forward
+        forward.fastdp_engine, forward.fastdp_module = self, module
+        return types.MethodType(forward, module)
 
     def detach(self) -> None:
         """Remove every hook: the module behaves as a plain module again."""

@@ -41,6 +41,15 @@ def find_problems(module: nn.Module, params: Optional[Iterable[torch.Tensor]] = 
                     "a rule with fastdp.layers.register"
                 )
             continue
+        foreign = [n for n in trainable if n not in rule.param_names]
+        if foreign:  # a reparametrised weight: computed from these before each forward
+            names = ", ".join(f"'{path + '.' if path else ''}{n}'" for n in foreign)
+            problems.append(
+                f"{where} has trainable parameter(s) {names} that its rule does not clip (it clips "
+                f"{', '.join(rule.param_names)}): a weight computed from other parameters (torch.nn.utils."
+                "prune, weight_norm, spectral_norm) would get no gradient; remove the reparametrisation "
+                "(e.g. torch.nn.utils.prune.remove(module, 'weight')) or freeze those parameters"
+            )
         try:  # frozen modules too: state the data changes (running statistics) leaks without noise
             rule.check(child)
         except UnsupportedModuleError as exc:

@@ -401,3 +401,32 @@ def test_optimizer_hooks_run():
     opt.step()
     opt.load_state_dict(opt.state_dict())
     assert calls == ["step pre", "step post", "state pre", "state post", "load pre", "load post"]
+
+
+def test_deep_copies_of_a_hooked_model_are_plain_models():
+    """The copy (an EMA or teacher model) ran the original layers' hooked forward with the original
+    parameters, and its backward fed the original's clipped sums (review)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), module=model, noise_multiplier=0.0,
+                             max_grad_norm=1.0, expected_batch_size=8)
+    ema = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in ema.parameters():
+            p.mul_(0.5)
+    x = torch.randn(8, 4)
+    plain = copy.deepcopy(ema)
+    opt.detach()
+    torch.testing.assert_close(ema(x), plain(x))
+    model = copy.deepcopy(plain)  # hook a fresh model; the EMA stays a plain model beside it
+    opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), module=model, noise_multiplier=0.0,
+                             max_grad_norm=1.0, expected_batch_size=8)
+    ema = copy.deepcopy(model)
+    ema(x).square().sum().backward()
+    assert not opt.engine.summed and all(p.grad is None for p in model.parameters())
+    assert all(p.grad is not None for p in ema.parameters())
+    ema.zero_grad(set_to_none=True)
+    ema_opt = fastdp.DPOptimizer(torch.optim.SGD(ema.parameters(), lr=0.1), module=ema, noise_multiplier=0.0,
+                                 max_grad_norm=1.0, expected_batch_size=8)  # a copy can be made private itself
+    ema(x).square().sum().backward()
+    assert all(p.grad is None for p in ema.parameters()) and len(ema_opt.engine.summed) == 4

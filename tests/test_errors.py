@@ -303,3 +303,25 @@ def test_parameters_frozen_after_wrapping_stay_put():
     model[0].requires_grad_(True)  # private from the start: may train again
     _one_step(model, opt, torch.randn(4, 4))
     assert all(not torch.equal(p, b) for p, b in zip(model[0].parameters(), frozen))
+
+
+@pytest.mark.parametrize("reparametrise", ["prune", "weight_norm", "spectral_norm"])
+def test_reparametrised_weights_are_refused(reparametrise):
+    """A layer whose weight is computed from other parameters before each forward was hooked with
+    that computed tensor: the real parameters never trained, and the norm left them out (review)."""
+    import warnings
+
+    import torch.nn.utils.prune as prune
+    layer = nn.Linear(4, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch deprecates the old weight_norm
+        if reparametrise == "prune":
+            prune.l1_unstructured(layer, "weight", amount=0.5)
+        else:
+            getattr(torch.nn.utils, reparametrise)(layer)
+    model = nn.Sequential(layer, nn.Tanh())
+    with pytest.raises(fastdp.UnsupportedModuleError, match=r"'0\.weight_(orig|g|v)'.*remove the reparametrisation"):
+        make(model)
+    if reparametrise == "prune":
+        prune.remove(layer, "weight")
+        make(model)  # the fix the message names

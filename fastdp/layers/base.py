@@ -137,14 +137,14 @@ class LayerRule:
         statistics, renormalised rows) must be refused there as well."""
 
     def trainable(self, module: nn.Module) -> Dict[str, torch.Tensor]:
-        """The module's parameters among ``param_names`` that require grad, by name."""
+        """The module's registered parameters among ``param_names`` that require grad, by name
+        (a tensor computed from other parameters, e.g. a pruned or weight-normed ``weight``, is
+        not one: validation refuses such modules)."""
         found = {}
         registered = module._parameters  # direct: nn.Module.__getattr__ is slow
         for n in self.param_names:
             t = registered.get(n)
-            if t is None:
-                t = getattr(module, n, None)
-            if isinstance(t, torch.Tensor) and t.requires_grad:
+            if t is not None and t.requires_grad:
                 found[n] = t
         return found
 
