@@ -1,15 +1,20 @@
-"""Checkpoints of a DP-SGD run that resume bit-identically and never restart epsilon.
+"""Checkpoints of a DP-SGD run that never restart epsilon.
 
 One dictionary holds the model, the :class:`~fastdp.DPOptimizer` (wrapped optimizer's
-state, step count, noise-seed generator), the accountant's history and the Poisson
-loader's seed and position::
+state, step count, accountant history, noise seeds drawn) and the Poisson loader's
+position::
 
     fastdp.checkpoint.save("run.pt", model=model, optimizer=opt, data_loader=loader)
     ...  # later, with freshly built objects of the same shapes:
     fastdp.checkpoint.load("run.pt", model=model, optimizer=opt, data_loader=loader)
 
-Training from the loaded state gives the same parameters, bit for bit, as not stopping
-(secure mode excepted: its noise and batches are drawn from OS entropy). Saving between
+The noise key and the sampler's seed are secret: with them anyone holding the file can
+regenerate every step's noise and batches, and subtract the noise. They are left out
+unless ``include_secrets=True``, so a checkpoint can be shared like the model. Training
+from the loaded state gives the same parameters, bit for bit, as not stopping when the
+fresh objects were given the run's seeds (``seed=``) or the file holds the secrets;
+otherwise the resumed run draws its own noise and batches, as private but not identical
+(secure mode draws them from OS entropy anyway). Saving between
 ``backward()`` and ``step()`` is refused: clipped sums not yet stepped are not stored.
 Resuming with another ``noise_multiplier`` is allowed (with a warning): the restored
 history keeps the old sigma's steps and the accountant appends the new ones.
@@ -24,26 +29,25 @@ from typing import Any, Dict
 import torch
 from torch import nn
 
-FORMAT = "fastdp.checkpoint/1"
+FORMAT = "fastdp.checkpoint/2"  # /1 kept the accountant beside the optimizer's state; still read
 
 
 class CheckpointMismatchError(ValueError):
     """The checkpoint does not belong to this model (parameter names or shapes differ)."""
 
 
-def state_dict(*, model: nn.Module, optimizer, data_loader=None) -> Dict[str, Any]:
-    """Everything needed to resume: model, optimizer, accountant and loader state."""
+def state_dict(*, model: nn.Module, optimizer, data_loader=None, include_secrets: bool = False) -> Dict[str, Any]:
+    """Everything needed to resume: model, optimizer (with the accountant) and loader state;
+    the noise key and sampler seed only with ``include_secrets`` (never publish that)."""
     if optimizer.engine.summed:
         raise RuntimeError("clipped gradients are pending (backward() ran since the last step()): "
                            "checkpoint after optimizer.step() or zero_grad()")
-    accountant = getattr(optimizer, "accountant", None)
     return {
         "format": FORMAT,
         "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
+        "optimizer": optimizer.state_dict(include_secrets),
         "noise_multiplier": optimizer.noise_multiplier,
-        "accountant": None if accountant is None else accountant.state_dict(),
-        "data_loader": None if data_loader is None else data_loader.state_dict(),
+        "data_loader": None if data_loader is None else data_loader.state_dict(include_secrets),
     }
 
 
@@ -63,23 +67,17 @@ def _check_model(saved: Dict[str, torch.Tensor], model: nn.Module) -> None:
 
 def load_state_dict(state: Dict[str, Any], *, model: nn.Module, optimizer, data_loader=None) -> None:
     """Restore what :func:`state_dict` saved into freshly built ``model``/``optimizer``/``data_loader``."""
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
+    if not isinstance(state, dict) or state.get("format") not in (FORMAT, "fastdp.checkpoint/1"):
         raise ValueError(f"not a fastdp checkpoint (expected format {FORMAT!r})")
     _check_model(state["model"], model)
-    accountant = getattr(optimizer, "accountant", None)
-    saved_accountant = state["accountant"]
-    if saved_accountant is not None and accountant is None and getattr(optimizer, "rank", 0) == 0:
-        raise ValueError("the checkpoint holds an accountant history but the optimizer has no accountant: "
-                         "attach one (make_private or attach_accountant) so epsilon continues from it")
-    if saved_accountant is None and accountant is not None and state["optimizer"]["steps"] > 0:
-        raise ValueError("the checkpoint has steps but no accountant history: epsilon would restart from zero")
+    optimizer_state = state["optimizer"]
+    if "accountant" in state:  # format /1
+        optimizer_state = dict(optimizer_state, accountant=state["accountant"])
     if data_loader is not None and state["data_loader"] is None:
         raise ValueError("the checkpoint has no data loader state to restore")
 
+    optimizer.load_state_dict(optimizer_state)  # first: it refuses a history it cannot continue
     model.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
-    if saved_accountant is not None and accountant is not None:
-        accountant.load_state_dict(saved_accountant)
     if data_loader is not None:
         data_loader.load_state_dict(state["data_loader"])
     if state["noise_multiplier"] != optimizer.noise_multiplier:
@@ -88,8 +86,9 @@ def load_state_dict(state: Dict[str, Any], *, model: nn.Module, optimizer, data_
                       UserWarning, stacklevel=2)
 
 
-def save(path, *, model: nn.Module, optimizer, data_loader=None) -> None:
-    torch.save(state_dict(model=model, optimizer=optimizer, data_loader=data_loader), path)
+def save(path, *, model: nn.Module, optimizer, data_loader=None, include_secrets: bool = False) -> None:
+    torch.save(state_dict(model=model, optimizer=optimizer, data_loader=data_loader,
+                          include_secrets=include_secrets), path)
 
 
 def load(path, *, model: nn.Module, optimizer, data_loader=None, map_location=None) -> None:

@@ -50,9 +50,10 @@ class PoissonBatchSampler(Sampler[List[int]]):
 
     One iteration is one epoch of ``steps`` batches (default ``round(1 / sample_rate)``).
     ``position`` is the global index of the next batch to draw; iterating resumes the
-    current epoch from there. ``seed=None`` draws a seed from OS entropy (kept in
-    :meth:`state_dict`, so even unseeded runs resume identically). ``secure_mode=True``
-    seeds every batch afresh from OS entropy and forbids ``seed``.
+    current epoch from there. ``seed=None`` draws a seed from OS entropy. The seed is
+    secret (it gives away every batch): :meth:`state_dict` leaves it out unless asked, so a
+    resumed sampler keeps its own seed (the same batches if it was given the same seed).
+    ``secure_mode=True`` seeds every batch afresh from OS entropy and forbids ``seed``.
     """
 
     def __init__(self, num_samples: int, sample_rate: float, steps: Optional[int] = None,
@@ -105,9 +106,13 @@ class PoissonBatchSampler(Sampler[List[int]]):
             self.position += 1
             yield self.batch(n)
 
-    def state_dict(self) -> Dict[str, Any]:
-        return {"seed": self.seed, "position": self.position, "num_samples": self.num_samples,
-                "sample_rate": self.sample_rate, "secure_mode": self.secure_mode}
+    def state_dict(self, include_secrets: bool = False) -> Dict[str, Any]:
+        """Position and settings; the seed too with ``include_secrets`` (never publish that)."""
+        state = {"position": self.position, "num_samples": self.num_samples,
+                 "sample_rate": self.sample_rate, "secure_mode": self.secure_mode}
+        if include_secrets:
+            state["seed"] = self.seed
+        return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         for key in ("num_samples", "sample_rate", "secure_mode"):
@@ -116,7 +121,9 @@ class PoissonBatchSampler(Sampler[List[int]]):
                     f"sampler checkpoint has {key}={state[key]!r}, this sampler {getattr(self, key)!r}: "
                     "resume with the same dataset, sample rate and mode"
                 )
-        self.seed, self.position = state["seed"], int(state["position"])
+        if "seed" in state:
+            self.seed = state["seed"]
+        self.position = int(state["position"])
 
 
 def _empty_like(batch: Any) -> Any:
@@ -148,11 +155,12 @@ class EmptySafeCollate:
 class PoissonDataLoader(DataLoader):
     """A DataLoader over a :class:`PoissonBatchSampler` that knows how many batches the
     training loop has received (``batches_consumed``), so its :meth:`state_dict` is exact
-    even when workers prefetch batches ahead of the loop."""
+    even when workers prefetch batches ahead of the loop. ``stepped_at`` is the count at the
+    last optimizer step (set by a :class:`~fastdp.DPOptimizer` the loader is attached to)."""
 
     def __init__(self, dataset: Dataset, batch_sampler: PoissonBatchSampler, **kwargs):
         super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
-        self.batches_consumed = batch_sampler.position
+        self.batches_consumed = self.stepped_at = batch_sampler.position
 
     def __iter__(self):
         self.batch_sampler.position = self.batches_consumed
@@ -160,12 +168,12 @@ class PoissonDataLoader(DataLoader):
             self.batches_consumed += 1
             yield batch
 
-    def state_dict(self) -> Dict[str, Any]:
-        return dict(self.batch_sampler.state_dict(), position=self.batches_consumed)
+    def state_dict(self, include_secrets: bool = False) -> Dict[str, Any]:
+        return dict(self.batch_sampler.state_dict(include_secrets), position=self.batches_consumed)
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.batch_sampler.load_state_dict(state)
-        self.batches_consumed = self.batch_sampler.position
+        self.batches_consumed = self.stepped_at = self.batch_sampler.position
 
 
 def _loader_kwargs(data_loader: DataLoader) -> Dict[str, Any]:

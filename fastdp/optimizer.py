@@ -107,6 +107,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self._logical_batch_open = False  # a skipped step left clipped sums to keep
         self._step_hooks: List[Callable[["DPOptimizer"], None]] = []
         self.accountant = None
+        self.loader = None  # the Poisson loader whose batches the steps take, once attached
         self._patch_step_function()  # step pre/post hooks run, as for any torch.optim optimizer
 
     # -- what torch.optim.Optimizer users and LR schedulers read --------------------------
@@ -169,6 +170,27 @@ class DPOptimizer(torch.optim.Optimizer):
         self.attach_step_hook(
             lambda opt: accountant.step(noise_multiplier=opt.noise_multiplier, sample_rate=opt.sample_rate)
         )
+
+    def attach_loader(self, loader) -> None:
+        """Check at every step that the training loop took exactly one batch of ``loader`` (a
+        :class:`~fastdp.data.PoissonDataLoader`, e.g. ``make_private``'s) since the last step.
+        The accountant analyses one Poisson batch per step: gradients of several batches summed
+        into one step can hold a sample several times (sensitivity up to k C), and a batch drawn
+        without a step (skipping empty ones) reveals that it was empty."""
+        self.loader = loader
+
+    def _check_one_batch_per_step(self) -> None:
+        loader = self.loader
+        if loader is None:
+            return
+        drawn, loader.stepped_at = loader.batches_consumed - loader.stepped_at, loader.batches_consumed
+        if drawn > 1:
+            raise RuntimeError(
+                f"{drawn} Poisson batches were drawn from the data loader since the last step(): the "
+                "accountant counts one batch per step, but summing several batches' gradients into one step "
+                "can hold a sample several times, and a batch drawn without a step (e.g. an empty one "
+                "skipped) reveals that it was empty; call step() once per batch (BatchMemoryManager splits "
+                "batches too large for memory; a larger batch_size raises the sample rate)")
 
     def epsilon(self, delta: float) -> float:
         """Privacy spent so far, from the attached accountant."""
@@ -233,6 +255,7 @@ class DPOptimizer(torch.optim.Optimizer):
             self._skip_next_step, self._logical_batch_open = False, True
             return loss
         self._logical_batch_open = False
+        self._check_one_batch_per_step()
         self.privatise_grads()
         self.original_optimizer.step()
         self.steps += 1
@@ -258,13 +281,22 @@ class DPOptimizer(torch.optim.Optimizer):
         self.engine.detach()
 
     # -- checkpoints -----------------------------------------------------------------------
-    def state_dict(self):
+    def state_dict(self, include_secrets: bool = False):
+        """The wrapped optimizer's state, the step count, the accountant's history and how many
+        noise seeds were drawn. The noise key is secret (with it anyone can subtract every
+        step's noise): it is left out unless ``include_secrets`` (never publish such a state).
+        Without it a resumed optimizer keeps its own key: the same noise if it was built with
+        the same ``seed``, fresh noise otherwise."""
         for pre_hook in self._optimizer_state_dict_pre_hooks.values():
             pre_hook(self)
+        seeds = {"draws": self._noise_draws}
+        if include_secrets:
+            seeds["key"] = self._noise_key
         state = {
             "optimizer": self.original_optimizer.state_dict(),
             "steps": self.steps,
-            "noise_seed_state": {"key": self._noise_key, "draws": self._noise_draws},
+            "noise_seed_state": seeds,
+            "accountant": None if self.accountant is None else self.accountant.state_dict(),
         }
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             state = post_hook(self, state) or state
@@ -278,11 +310,21 @@ class DPOptimizer(torch.optim.Optimizer):
             post_hook(self)
 
     def _load_state(self, state_dict) -> None:
-        self.original_optimizer.load_state_dict(state_dict["optimizer"])
-        self.steps = state_dict["steps"]
         seeds = state_dict["noise_seed_state"]
         if not isinstance(seeds, dict):
             raise ValueError("this optimizer state was written by an older fastdp, whose noise seeds came from a "
                              "torch.Generator: it cannot resume the same noise stream; resume with that version "
                              "or start the run again")
-        self._noise_key, self._noise_draws = int(seeds["key"]), int(seeds["draws"])
+        history = state_dict.get("accountant")
+        if history is not None and self.accountant is None and getattr(self, "rank", 0) == 0:
+            raise ValueError("the state holds an accountant history but this optimizer has no accountant: "
+                             "attach one first (make_private or attach_accountant) so that epsilon continues from it")
+        if history is None and self.accountant is not None and state_dict["steps"] > 0:
+            raise ValueError("the state has steps but no accountant history: epsilon would restart from zero")
+        self.original_optimizer.load_state_dict(state_dict["optimizer"])
+        self.steps = state_dict["steps"]
+        if history is not None and self.accountant is not None:
+            self.accountant.load_state_dict(history)
+        self._noise_draws = int(seeds["draws"])
+        if "key" in seeds:
+            self._noise_key = int(seeds["key"])

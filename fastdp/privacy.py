@@ -79,4 +79,6 @@ def make_private(
         expected_batch_size=batch_size, seed=seed, secure_mode=secure_mode, **optimizer_kwargs,
     )
     dp_optimizer.attach_accountant(accounting.make_accountant(accountant), sample_rate)
+    if poisson_sampling:
+        dp_optimizer.attach_loader(data_loader)  # one Poisson batch per step, checked at each step
     return module, dp_optimizer, data_loader

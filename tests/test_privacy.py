@@ -79,3 +79,42 @@ def test_make_private_needs_epochs_to_calibrate():
     with pytest.raises(ValueError, match="epochs"):
         fastdp.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
                             target_epsilon=1.0, target_delta=1e-5, epochs=0, max_grad_norm=1.0)
+
+
+def _private(n=40, batch_size=4, **kw):
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    loader = DataLoader(TensorDataset(torch.randn(n, 3), torch.randint(0, 2, (n,))), batch_size=batch_size)
+    return fastdp.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                               data_loader=loader, max_grad_norm=1.0, noise_multiplier=1.0, **kw)
+
+
+def test_one_poisson_batch_per_step_is_enforced():
+    """Gradients of k Poisson batches summed into one step were accounted as one step at rate q:
+    a sample can be in several of them (sensitivity up to k C), so epsilon was under-reported (review)."""
+    model, opt, loader = _private()
+    batches = iter(loader)
+    for _ in range(3):  # the plain loop: one batch, one step
+        x, y = next(batches)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    opt.zero_grad()
+    for _ in range(2):  # gradient accumulation over two sampled batches
+        x, y = next(batches)
+        nn.functional.cross_entropy(model(x), y).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="2 Poisson batches were drawn"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)) and opt.steps == 3
+    assert opt.accountant.steps == 3
+
+
+def test_chunks_of_one_poisson_batch_make_one_step():
+    model, opt, loader = _private(n=60, batch_size=12)
+    with fastdp.BatchMemoryManager(data_loader=loader, max_physical_batch_size=3, optimizer=opt) as chunks:
+        for x, y in chunks:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert opt.steps == opt.accountant.steps == len(loader)

@@ -94,7 +94,7 @@ def test_make_private_secure_mode_trains():
     model, opt, loader = fastdp.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                              data_loader=loader, max_grad_norm=1.0, noise_multiplier=1.0,
                                              secure_mode=True)
-    assert opt.secure_mode and loader.batch_sampler.secure_mode and loader.state_dict()["seed"] is None
+    assert opt.secure_mode and loader.batch_sampler.secure_mode and loader.state_dict(include_secrets=True)["seed"] is None
     for x, y in loader:
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y).backward()
