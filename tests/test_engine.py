@@ -289,9 +289,12 @@ def test_step_seeds_are_distinct_reproducible_and_resumable():
     again = optimizer(7)
     assert [again.next_seed() for _ in range(100)] == seeds[:100]
     resumed = optimizer(8)
-    resumed.load_state_dict(again.state_dict())
+    resumed.load_state_dict(again.state_dict(include_secrets=True))
     assert [resumed.next_seed() for _ in range(100)] == seeds[100:200]
     assert optimizer(8).next_seed() not in seeds
+    same_seed = optimizer(7)  # without the secret key: the optimizer's own seed, resumed at the draw count
+    same_seed.load_state_dict(resumed.state_dict())
+    assert [same_seed.next_seed() for _ in range(100)] == seeds[200:300]
 
 
 def test_noise_added_once_per_logical_step_with_accumulation():
