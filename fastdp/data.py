@@ -155,12 +155,11 @@ class EmptySafeCollate:
 class PoissonDataLoader(DataLoader):
     """A DataLoader over a :class:`PoissonBatchSampler` that knows how many batches the
     training loop has received (``batches_consumed``), so its :meth:`state_dict` is exact
-    even when workers prefetch batches ahead of the loop. ``stepped_at`` is the count at the
-    last optimizer step (set by a :class:`~fastdp.DPOptimizer` the loader is attached to)."""
+    even when workers prefetch batches ahead of the loop."""
 
     def __init__(self, dataset: Dataset, batch_sampler: PoissonBatchSampler, **kwargs):
         super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
-        self.batches_consumed = self.stepped_at = batch_sampler.position
+        self.batches_consumed = batch_sampler.position
 
     def __iter__(self):
         self.batch_sampler.position = self.batches_consumed
@@ -173,7 +172,7 @@ class PoissonDataLoader(DataLoader):
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.batch_sampler.load_state_dict(state)
-        self.batches_consumed = self.stepped_at = self.batch_sampler.position
+        self.batches_consumed = self.batch_sampler.position
 
 
 def _loader_kwargs(data_loader: DataLoader) -> Dict[str, Any]:
@@ -283,9 +282,14 @@ class BatchMemoryManager:
         if poisson:
             source.batch_sampler.position = source.batches_consumed
         self._ends.clear()
-        for chunk in self._chunks:
-            last = self._ends.popleft()
-            self.optimizer.signal_skip_step(not last)
-            if last and poisson:
-                source.batches_consumed += 1
-            yield chunk
+        last = True
+        try:
+            for chunk in self._chunks:
+                if last and poisson:  # the first chunk of a batch: the batch is taken
+                    source.batches_consumed += 1
+                last = self._ends.popleft()
+                self.optimizer.signal_skip_step(not last)
+                yield chunk
+        finally:
+            if not last:  # left in the middle of a batch: its chunks' clipped sums are dropped
+                self.optimizer.abandon_logical_batch()

@@ -23,7 +23,7 @@ import types
 import warnings
 import weakref
 from collections import defaultdict
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -81,6 +81,9 @@ class GradSampleEngine:
         self._pass_inputs: Dict[int, tuple] = {}
         self._step_inputs: Dict[int, tuple] = {}
         self._owned_grads: Dict[torch.Tensor, tuple] = {}
+        # which data batch each backward pass since the last step came from (DPOptimizer.attach_loader)
+        self.batch_of_pass: Optional[Callable[[], object]] = None
+        self.pass_batches: set = set()
         self._patched: List[nn.Module] = []
         self.adopt_current_grads()
         self._patch()
@@ -92,8 +95,8 @@ class GradSampleEngine:
             rule = rule_for(module)
             if rule is None or not rule.trainable(module):
                 continue
-            if getattr(module.__dict__.get("forward"), "fastdp_module", module) is not module:
-                del module.forward  # a copy's hook (copy.deepcopy of a hooked module): inert, replaced
+            if _stale_forward(module):
+                del module.forward
             if "forward" in module.__dict__:
                 owner = getattr(module.forward, "fastdp_engine", None)
                 self.detach()
@@ -214,6 +217,8 @@ class GradSampleEngine:
         for p, grads in shared.items():
             self._accumulate(p, weighted_sum(coef_of(p), grads))
         self.samples_seen += batch
+        if self.batch_of_pass is not None:
+            self.pass_batches.add(self.batch_of_pass())
 
     def _check_new_samples(self, inputs: Dict[int, tuple]) -> None:
         """Each backward pass before a step adds its samples' clipped sums, so it must see new
@@ -346,3 +351,15 @@ class GradSampleEngine:
         self.summed.clear()
         self.samples_seen = 0
         self._step_inputs = {}
+        self.pass_batches = set()
+
+
+def _stale_forward(module: nn.Module) -> bool:
+    """The instance ``forward`` is a leftover of hooking another module (a ``copy.deepcopy`` of a
+    hooked module) or the class's own forward (an unpickled hooked module): inert, replaceable."""
+    forward = module.__dict__.get("forward")
+    if forward is None:
+        return False
+    if getattr(forward, "fastdp_module", module) is not module:
+        return True
+    return getattr(forward, "__self__", None) is module and getattr(forward, "__func__", None) is type(module).forward

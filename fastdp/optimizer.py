@@ -177,25 +177,30 @@ class DPOptimizer(torch.optim.Optimizer):
         )
 
     def attach_loader(self, loader) -> None:
-        """Check at every step that the training loop took exactly one batch of ``loader`` (a
-        :class:`~fastdp.data.PoissonDataLoader`, e.g. ``make_private``'s) since the last step.
-        The accountant analyses one Poisson batch per step: gradients of several batches summed
-        into one step can hold a sample several times (sensitivity up to k C), and a batch drawn
-        without a step (skipping empty ones) reveals that it was empty."""
+        """Check at every step that its backward passes all came from one batch of ``loader`` (a
+        :class:`~fastdp.data.PoissonDataLoader`, e.g. ``make_private``'s; each pass is tagged with
+        the loader's batch count). The accountant analyses one Poisson batch per step: gradients
+        of several batches summed into one step can hold a sample several times (sensitivity up
+        to k C)."""
         self.loader = loader
+        self.engine.batch_of_pass = lambda: loader.batches_consumed
 
     def _check_one_batch_per_step(self) -> None:
-        loader = self.loader
-        if loader is None:
-            return
-        drawn, loader.stepped_at = loader.batches_consumed - loader.stepped_at, loader.batches_consumed
-        if drawn > 1:
+        batches = len(self.engine.pass_batches)
+        if batches > 1:
             raise RuntimeError(
-                f"{drawn} Poisson batches were drawn from the data loader since the last step(): the "
-                "accountant counts one batch per step, but summing several batches' gradients into one step "
-                "can hold a sample several times, and a batch drawn without a step (e.g. an empty one "
-                "skipped) reveals that it was empty; call step() once per batch (BatchMemoryManager splits "
-                "batches too large for memory; a larger batch_size raises the sample rate)")
+                f"the backward passes of this step came from {batches} Poisson batches of the data loader: "
+                "the accountant counts one batch per step, and summing several batches' gradients into one "
+                "step can hold a sample several times; call step() once per batch (BatchMemoryManager "
+                "splits batches too large for memory; a larger batch_size raises the sample rate)")
+
+    def abandon_logical_batch(self) -> None:
+        """Drop the clipped sums of a logical batch left before its last chunk (a loop over a
+        BatchMemoryManager ended early): nothing of them was released, and a later step must
+        not add them to another batch's."""
+        if self._logical_batch_open or self._skip_next_step:
+            self._skip_next_step = self._logical_batch_open = False
+            self.engine.clear()
 
     def epsilon(self, delta: float) -> float:
         """Privacy spent so far, from the attached accountant."""
@@ -306,11 +311,12 @@ class DPOptimizer(torch.optim.Optimizer):
         seeds = {"draws": self._noise_draws}
         if include_secrets:
             seeds["key"] = self._noise_key
+        saves_history = hasattr(self.accountant, "state_dict")  # not a bare step-recording object
         state = {
             "optimizer": self.original_optimizer.state_dict(),
             "steps": self.steps,
             "noise_seed_state": seeds,
-            "accountant": None if self.accountant is None else self.accountant.state_dict(),
+            "accountant": self.accountant.state_dict() if saves_history else None,
         }
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             state = post_hook(self, state) or state
@@ -333,11 +339,15 @@ class DPOptimizer(torch.optim.Optimizer):
         if history is not None and self.accountant is None and getattr(self, "rank", 0) == 0:
             raise ValueError("the state holds an accountant history but this optimizer has no accountant: "
                              "attach one first (make_private or attach_accountant) so that epsilon continues from it")
-        if history is None and self.accountant is not None and state_dict["steps"] > 0:
+        restorable = hasattr(self.accountant, "load_state_dict")
+        if history is None and restorable and state_dict["steps"] > 0:
             raise ValueError("the state has steps but no accountant history: epsilon would restart from zero")
+        if history is not None and self.accountant is not None and not restorable:
+            raise ValueError(f"the state holds an accountant history that {type(self.accountant).__name__} "
+                             "cannot load: attach a fastdp accountant")
         self.original_optimizer.load_state_dict(state_dict["optimizer"])
         self.steps = state_dict["steps"]
-        if history is not None and self.accountant is not None:
+        if history is not None and restorable:
             self.accountant.load_state_dict(history)
         self._noise_draws = int(seeds["draws"])
         if "key" in seeds:

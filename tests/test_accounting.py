@@ -440,3 +440,13 @@ def test_pld_with_losses_beyond_float_range_falls_back_to_rdp(sigma):
         pld, rdp = accounting.epsilon(sigma, q, 1, 1e-5), accounting.epsilon(sigma, q, 1, 1e-5, "rdp")
         assert math.isfinite(pld) and pld == pytest.approx(rdp) and pld > 500
 
+
+
+def test_pld_with_a_full_batch_step_of_tiny_sigma_in_the_history():
+    """A q = 1 step whose whole loss range lies past the cap, among sampled steps: the capped
+    window came out empty and composition raised (review)."""
+    pld, rdp = PLDAccountant(), RDPAccountant()
+    for acc in (pld, rdp):
+        acc.step(noise_multiplier=1.0, sample_rate=0.01, num_steps=100)
+        acc.step(noise_multiplier=0.02, sample_rate=1.0)
+    assert math.isfinite(pld.epsilon(1e-5)) and pld.epsilon(1e-5) == pytest.approx(rdp.epsilon(1e-5))

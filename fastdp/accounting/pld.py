@@ -192,7 +192,7 @@ def subsampled_gaussian_pld(
     lo_loss, hi_loss = _loss_range(direction, sigma, q, tail)
     # Beyond MAX_LOSS e^loss overflows: the mass above goes to +inf and the mass below is
     # rounded up onto the first point, both pessimistic (only very small sigma gets there).
-    lo_loss, hi_loss = max(lo_loss, -MAX_LOSS), min(hi_loss, MAX_LOSS)
+    lo_loss, hi_loss = min(max(lo_loss, -MAX_LOSS), MAX_LOSS), min(max(hi_loss, -MAX_LOSS), MAX_LOSS)
     i0 = math.floor(lo_loss / interval)
     i1 = max(math.ceil(hi_loss / interval), i0 + 1)
     idx = np.arange(i0, i1 + 1, dtype=np.float64)
@@ -390,6 +390,8 @@ def compose_plds(
     lo_loss = float(np.max((log_tail - neg) / lambdas))
     hi = math.ceil(hi_loss / h)
     lo = math.floor(lo_loss / h)
+    if hi < lo:  # the finite mass is below the tail allowance (a step that nearly always hits +inf)
+        return DiscretePLD(offset=0, probs=np.zeros(1), interval=h, inf_mass=1.0)  # the worst case
     size = sp_fft.next_fast_len(hi - lo + 1, real=True)
     if size > max_size:
         raise WindowTooLarge(size)
