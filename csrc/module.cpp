@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cmath>
 #include <optional>
 #include <stdexcept>
 #include <vector>
@@ -83,7 +84,9 @@ void linear_sq_norms_t(const py::array_t<F>& a, const py::array_t<F>& g, py::arr
 // stride_h, stride_w, pad_h, pad_w, dilation_h, dilation_w). Addresses as for the per-step
 // kernels (called once per convolution layer and backward); grads, bias_grads and grad_input
 // may be 0, weight too where grad_input is.
-void conv2d_sq_norms(uintptr_t x, uintptr_t g, const std::vector<int64_t>& shape, const std::vector<int64_t>& geometry,
+// Returns whether every norm is finite: the wide layout multiplies zero output gradients by input
+// columns no output reads, so a NaN/Inf there (which the layer never sees) makes a norm NaN.
+bool conv2d_sq_norms(uintptr_t x, uintptr_t g, const std::vector<int64_t>& shape, const std::vector<int64_t>& geometry,
                      bool is_double, bool ghost, uintptr_t out, uintptr_t grads, uintptr_t bias_grads,
                      uintptr_t weight, uintptr_t grad_input) {
   if (shape.size() != 7 || geometry.size() != 9) throw std::invalid_argument("expected 7 shape and 9 geometry values");
@@ -106,6 +109,10 @@ void conv2d_sq_norms(uintptr_t x, uintptr_t g, const std::vector<int64_t>& shape
     fastdp::conv2d_sq_norms<float>(at<const float>(x), at<const float>(g), c, ghost, at<double>(out),
                                    at<float>(grads), at<float>(bias_grads), at<const float>(weight),
                                    at<float>(grad_input));
+  const double* norms = at<const double>(out);
+  for (int64_t i = 0; i < c.batch; ++i)
+    if (!std::isfinite(norms[i])) return false;
+  return true;
 }
 
 // x, dy (N, C, HW); mean, rstd (N, G); gamma (C) or None; dx (N, C, HW) or None; dgamma, dbeta (N, C).
@@ -173,6 +180,9 @@ void def_per_dtype(py::module_& m, const char* name, F32 f32, F64 f64, const cha
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fastdp native CPU kernels";
   m.def("version", []() { return std::string("0.1.0"); }, "Version of the native extension.");
+  // Bumped with every change of a binding's signature or meaning: fastdp._native_ops refuses a
+  // build whose number differs (a stale in-place build), and the references run instead.
+  m.attr("BINDINGS") = 2;
   m.def("noisy_average", &noisy_average, py::arg("src"), py::arg("dst"), py::arg("numel"), py::arg("is_double"),
         py::arg("std"), py::arg("divisor"), py::arg("seed"),
         "dst[i] = (src[i] + std * z_i) / divisor, z_i ~ N(0, 1) from Philox keyed by seed, counter by (i, element) "
@@ -199,7 +209,8 @@ PYBIND11_MODULE(_C, m) {
         "writes the per-sample weight gradients to grads if not 0, each group's transposed: (B, groups, "
         "C_in/groups * kh * kw, C_out/groups); either route writes each sample's bias gradient to bias_grads "
         "(B, C_out) if not 0, and the input gradient (B, C, H, W) to grad_input if not 0, from weight "
-        "(C_out, C/groups, kh, kw).");
+        "(C_out, C/groups, kh, kw). Returns whether every norm is finite (a non-finite input value no output "
+        "reads can make one NaN: use the composed routes then).");
   m.def("total_sq_norms", &total_sq_norms, py::arg("parts"), py::arg("batch"), py::arg("total"),
         "total[i] = sum over k of parts[k][i] (addresses of float64 (batch,) buffers, summed in order); returns "
         "whether all are finite.");

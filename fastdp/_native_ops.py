@@ -17,6 +17,16 @@ import torch
 
 from fastdp import _C, ops
 
+BINDINGS = 2  # csrc/module.cpp's number: a stale build (source updated, not rebuilt) is refused
+_USED = ("noisy_average", "rows_sq_norms", "outer_sq_norms", "total_sq_norms", "clip_factors", "linear_sq_norms_ghost",
+         "linear_sq_norms_direct", "embedding_sq_norms", "conv2d_sq_norms", "group_norm_backward")
+if getattr(_C, "BINDINGS", None) != BINDINGS or not all(hasattr(_C, name) for name in _USED):
+    missing = [n for n in _USED if not hasattr(_C, n)]
+    raise ImportError(f"fastdp._C ({getattr(_C, '__file__', '?')}) was built from other sources (its bindings "
+                      f"{getattr(_C, 'BINDINGS', '< 2')}, these sources' {BINDINGS}"
+                      f"{'; missing ' + ', '.join(missing) if missing else ''}): rebuild it "
+                      "(pip install --no-build-isolation -e . or python setup.py build_ext --inplace)")
+
 # Measured crossover of the native ghost norm against torch.bmm (1 and 2 threads, float32,
 # d, p from 16 to 784): 0.7-1.2x at T = 8, 1.6-2.0x at T = 16.
 GHOST_MIN_SEQ = 16
@@ -136,7 +146,9 @@ def conv_sq_norms(x: torch.Tensor, g: torch.Tensor, spec, ghost: bool, keep_grad
     batch's unfolded input is never stored;
     the direct route writes the per-sample gradients only when ``keep_grads``, either route
     the bias's when ``bias_grads`` and the input gradient when given ``input_weight`` (from
-    the same read of g). ``None`` (composed routes) for 3-D convolutions."""
+    the same read of g). ``None`` (composed routes) for 3-D convolutions, and where a norm
+    came out NaN or Inf: the wide layout multiplies zero output gradients by input columns no
+    output reads, which gives NaN where such a column holds NaN or Inf."""
     nd = x.dim() - 2
     if nd not in (1, 2):
         return None
@@ -158,10 +170,13 @@ def conv_sq_norms(x: torch.Tensor, g: torch.Tensor, spec, ghost: bool, keep_grad
     bias = torch.empty(g.shape[0], g.shape[1], dtype=dtype) if bias_grads else None
     weight = None if input_weight is None else ops.kernel_operand(input_weight, dtype)
     grad_input = None if weight is None else torch.empty(x.shape, dtype=dtype)
-    _C.conv2d_sq_norms(x4.data_ptr(), g4.data_ptr(), [*x4.shape, *g4.shape[1:]],
-                       [spec.groups, *kernel, *stride, *padding, *dilation], dtype == torch.float64, ghost,
-                       out.data_ptr(), 0 if grads is None else grads.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                       0 if weight is None else weight.data_ptr(), 0 if grad_input is None else grad_input.data_ptr())
+    finite = _C.conv2d_sq_norms(x4.data_ptr(), g4.data_ptr(), [*x4.shape, *g4.shape[1:]],
+                                [spec.groups, *kernel, *stride, *padding, *dilation], dtype == torch.float64, ghost,
+                                out.data_ptr(), 0 if grads is None else grads.data_ptr(),
+                                0 if bias is None else bias.data_ptr(), 0 if weight is None else weight.data_ptr(),
+                                0 if grad_input is None else grad_input.data_ptr())
+    if finite is False:  # maybe from input values no output reads (the kernel's wide layout): composed routes
+        return None
     if grads is not None:  # (B, C_out, C_in / groups, *kernel): a strided view for one group, else a copy
         shape = (x.shape[0], g.shape[1], cin, *spec.kernel)
         if spec.groups == 1:  # element (i, o, c, *k) of (B, d, p) sits at i d p + (c K + k) p + o

@@ -69,27 +69,34 @@ def selected_backend() -> str:
 
 
 _backends_loaded = False
+_DEFAULT_MODULES = ("fastdp._native_ops",)  # built by pip install: missing, the CPU default is gone
+_LOAD_ERRORS: Dict[str, List[str]] = {}  # backend -> its modules that failed to import, with why
+_WARNED: set = set()
 
 
 def _load_backends() -> None:
-    """Import the optional backends once; each registers what it implements."""
+    """Import the optional backends once; each registers what it implements. A failure warns
+    once where it changes what runs by default (the C++ extension) or, when forced, that backend."""
     global _backends_loaded
     if _backends_loaded:
         return
     _backends_loaded = True
-    forced = selected_backend()
     for backend, modules in _BACKEND_MODULES.items():
         for module in modules:
             try:
                 __import__(module)
             except Exception as exc:  # a missing or broken optional backend is not fatal
-                if backend == forced:  # one warning, for the backend asked for only
-                    warnings.warn(
-                        f"fastdp: FASTDP_BACKEND={forced} but {module} is unavailable "
-                        f"({type(exc).__name__}: {exc}); using the PyTorch references",
-                        RuntimeWarning,
-                        stacklevel=3,
-                    )
+                _LOAD_ERRORS.setdefault(backend, []).append(f"{module} ({type(exc).__name__}: {exc})")
+                if module in _DEFAULT_MODULES:
+                    _warn_unavailable(backend)
+
+
+def _warn_unavailable(backend: str) -> None:
+    if backend in _WARNED or backend not in _LOAD_ERRORS:
+        return
+    _WARNED.add(backend)
+    warnings.warn(f"fastdp: the {backend} kernels are unavailable ({'; '.join(_LOAD_ERRORS[backend])}); "
+                  "using the PyTorch references (correct, slower)", RuntimeWarning, stacklevel=4)
 
 
 def implementation(op: str, device: torch.device) -> Tuple[str, Callable]:
@@ -106,6 +113,8 @@ def _choose(op: str, device_type: str) -> Tuple[str, Callable]:
     forced = selected_backend()
     if forced != "reference":
         _load_backends()
+        if forced != "auto":
+            _warn_unavailable(forced)
         impls = _REGISTRY.get(op, {})
         order = (forced,) if forced != "auto" else _AUTO_ORDER.get(device_type, ())
         for backend in order:
@@ -244,21 +253,23 @@ def noisy_average_ref(
 
     torch's CPU generator (mt19937) keeps only the low 32 bits of a seed, which would give
     two steps of a long run the same noise by chance (even odds within ~77k steps). So two
-    generators, seeded with the seed's low and high 32-bit words, each draw the parameters'
-    normals one after another, and ``z`` is their sum over sqrt(2): distinct seeds give
-    distinct noise, and streams of distinct parameters are independent.
+    generators, seeded with the seed's low word and its high word (xor a constant, so that
+    the two differ), each draw the parameters' normals one after another, and
+    ``z = (3 z_low + 4 z_high) / 5``: distinct seeds give distinct noise (unequal weights: a
+    seed with its words swapped does too), and streams of distinct parameters are independent.
     ``inplace=True`` lets an implementation write the result into ``sums`` (which the
     caller then no longer uses); the returned list is the result either way.
     """
     if not sums:
         return []
-    gens = [torch.Generator(device=sums[0].device).manual_seed(word)
-            for word in (seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF)]
+    low, high = [torch.Generator(device=sums[0].device).manual_seed(word)
+                 for word in (seed & 0xFFFFFFFF, ((seed >> 32) ^ 0x9E3779B9) & 0xFFFFFFFF)]
     out = []
     for s in sums:
         if std > 0:  # drawn in float64: torch's float32 normals stop near 5.8 (a truncated Gaussian)
-            z = sum(torch.randn(s.shape, generator=g, dtype=torch.float64, device=s.device) for g in gens)
-            z = z.mul_(1 / math.sqrt(2)).to(s.dtype)
+            z = torch.randn(s.shape, generator=low, dtype=torch.float64, device=s.device).mul_(0.6)
+            z = z.add_(torch.randn(s.shape, generator=high, dtype=torch.float64, device=s.device), alpha=0.8)
+            z = z.to(s.dtype)
             out.append((s.add_(z, alpha=std) if inplace else s.add(z, alpha=std)).div_(divisor))
         else:
             out.append(s.div_(divisor) if inplace else s / divisor)
@@ -276,8 +287,8 @@ def conv_sq_norms_ref(x: torch.Tensor, g: torch.Tensor, spec, ghost: bool, keep_
 def group_norm_backward_ref(g: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,
                             weight: Optional[torch.Tensor], groups: int, input_grad: bool):
     """aten's GroupNorm input gradient (if ``input_grad``) and per-sample parameter gradients
-    from per-channel sums: ``dbeta_i = sum_s g``, ``dgamma_i = rstd (sum_s g x - mean sum_s g)``
-    (no ``x_hat`` is built). ``x``, ``g``: (B, C, *S) with B > 0; ``mean``, ``rstd``: (B, groups)
+    from per-channel sums: ``dbeta_i = sum_s g``, ``dgamma_i = rstd sum_s g (x - mean)`` (x
+    centred before the sum: a large mean would cancel in float32). ``x``, ``g``: (B, C, *S) with B > 0; ``mean``, ``rstd``: (B, groups)
     from the forward. Per-sample gradients are (B, C) in float32 for half-precision inputs."""
     n, c = x.shape[:2]
     hw = math.prod(x.shape[2:])
@@ -292,7 +303,7 @@ def group_norm_backward_ref(g: torch.Tensor, x: torch.Tensor, mean: torch.Tensor
     def per_channel(stat):  # (B, groups) -> (B, C)
         return stat.reshape(n, groups, 1).expand(n, groups, c // groups).reshape(n, c).to(dtype)
 
-    return grad_x, per_channel(rstd) * ((g3 * x3).sum(2) - per_channel(mean) * sum_g), sum_g
+    return grad_x, per_channel(rstd) * (g3 * (x3 - per_channel(mean).unsqueeze(2))).sum(2), sum_g
 
 
 _REFERENCE: Dict[str, Callable] = {

@@ -216,8 +216,9 @@ def test_noise_depends_on_all_64_bits_of_the_seed(backend):
     the reference backend the same noise (two steps of a long run collided by chance)."""
     impl = {"reference": ops.noisy_average_ref, "native": native.noisy_average}[backend]
     seed = 0x0123456789ABCDEF
-    draws = [impl([torch.zeros(1000)], 1.0, 1.0, s)[0] for s in (seed, seed ^ (1 << 40), seed ^ 1)]
-    assert not torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
+    swapped = (seed >> 32) | ((seed & 0xFFFFFFFF) << 32)  # the same two words, swapped
+    draws = [impl([torch.zeros(1000)], 1.0, 1.0, s)[0] for s in (seed, seed ^ (1 << 40), seed ^ 1, swapped)]
+    assert all(not torch.equal(draws[0], other) for other in draws[1:])
     z = ops.noisy_average_ref([torch.zeros(200_000, dtype=torch.float64)], 1.0, 1.0, seed)[0]
     assert abs(z.mean().item()) < 5 / 200_000**0.5 and abs(z.var().item() - 1) < 5 * (2 / 200_000) ** 0.5
 
@@ -310,20 +311,37 @@ def test_auto_uses_native_on_cpu(monkeypatch):
     assert ops.implementation("embedding_sq_norms", torch.device("cpu"))[0] == "native"
 
 
-def test_forced_missing_backend_warns_once(monkeypatch):
-    """A forced backend that cannot be imported: one warning, then the references."""
-    monkeypatch.setenv("FASTDP_BACKEND", "native")
-    monkeypatch.setattr(ops, "_backends_loaded", False)
-    monkeypatch.setattr(ops, "_BACKEND_MODULES", {"native": ("fastdp._no_such_ext",), "triton": ("kernels._nope",)})
-    monkeypatch.setattr(ops, "_REGISTRY", {})
-    monkeypatch.setattr(ops, "_CHOICES", {})
+@pytest.mark.parametrize("forced", ["native", None])
+def test_missing_backend_warns_once(monkeypatch, forced):
+    """A forced backend, or the default C++ one, that cannot be imported: one warning, then the
+    references (without FASTDP_BACKEND a missing extension fell back silently: review)."""
+    if forced:
+        monkeypatch.setenv("FASTDP_BACKEND", forced)
+    else:
+        monkeypatch.delenv("FASTDP_BACKEND", raising=False)
+    for name, value in (("_backends_loaded", False), ("_REGISTRY", {}), ("_CHOICES", {}), ("_LOAD_ERRORS", {}),
+                        ("_WARNED", set()), ("_DEFAULT_MODULES", ("fastdp._no_such_ext",)),
+                        ("_BACKEND_MODULES", {"native": ("fastdp._no_such_ext",), "triton": ("kernels._nope",)})):
+        monkeypatch.setattr(ops, name, value)
     a, g = torch.randn(2, 3, 4), torch.randn(2, 3, 5)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = ops.linear_sq_norms_ghost(a, g)
         ops.noisy_average([a], 1.0, 1.0, 0)
-    assert len(caught) == 1 and "FASTDP_BACKEND=native" in str(caught[0].message)
+    assert len(caught) == 1 and "native kernels are unavailable" in str(caught[0].message)
+    assert "fastdp._no_such_ext" in str(caught[0].message)
     torch.testing.assert_close(out, ops.linear_sq_norms_ghost_ref(a, g))
+
+
+def test_a_stale_extension_build_is_refused():
+    """An in-place build older than the sources crashed in backward on a missing binding (review)."""
+    import subprocess
+    import sys
+    code = ("import sys, types; stub = types.ModuleType('fastdp._C'); stub.BINDINGS = 1; "
+            "sys.modules['fastdp._C'] = stub\n"
+            "try:\n    import fastdp._native_ops\nexcept ImportError as e:\n    print('refused:', e)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+    assert out.startswith("refused:") and "rebuild it" in out and "missing noisy_average" in out
 
 
 # --------------------------------------------------------------------------- GPU only

@@ -141,6 +141,33 @@ def test_declines_what_it_does_not_take(monkeypatch):
     assert native.conv_sq_norms(x, g, spec, True) is None
 
 
+def test_non_finite_input_that_no_output_reads_leaves_the_norms_finite():
+    """Stride 2 over 6 columns with k = 3: column 5 is never read, yet the kernel's wide layout
+    multiplied it by zero output gradients, so a NaN there made the norm NaN and the engine
+    raise for a finite gradient (review). The kernel now says so and the composed routes run."""
+    torch.manual_seed(0)
+    layer = torch.nn.Conv2d(2, 3, 3, stride=2).double()
+    x = torch.randn(2, 2, 6, 6, dtype=torch.float64)
+    x[0, :, :, 5] = float("nan")
+    out = layer(x)
+    assert torch.isfinite(out).all()
+    g = torch.randn_like(out)
+    spec = ConvSpec([2, 2], [0, 0], [1, 1], 1, [3, 3])
+    for ghost in (True, False):
+        assert native.conv_sq_norms(x, g, spec, ghost) is None
+    clean = x.clone()
+    clean[0, :, :, 5] = 0.0  # the same gradients: column 5 does not enter them
+    for ghost in (True, False):
+        torch.testing.assert_close(native.conv_sq_norms(clean, g, spec, ghost)[0], per_sample_sq_norms(clean, g, spec))
+    import fastdp
+    model = torch.nn.Sequential(layer)
+    opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), module=model, noise_multiplier=0.0,
+                             max_grad_norm=1.0, expected_batch_size=2, loss_reduction="sum")
+    (model(x) * g).sum().backward()
+    opt.step()  # raised NonFiniteGradientError for sample 0 on the native backend
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
 @pytest.mark.parametrize("backend", ["native", None, "reference"])
 def test_dispatch(use_backend, backend):
     """The CPU default and FASTDP_BACKEND=native take the kernel; the reference composes (None)."""
