@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Mapping
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional
 
 import numpy as np
@@ -127,14 +128,22 @@ class PoissonBatchSampler(Sampler[List[int]]):
 
 
 def _empty_like(batch: Any) -> Any:
-    if isinstance(batch, torch.Tensor):
+    """``batch`` (a collated batch of one example) cut to zero examples. A leaf it cannot cut
+    is refused: left as it was, the example would be trained on in an empty batch's step."""
+    if isinstance(batch, (torch.Tensor, np.ndarray)):
         return batch[:0]
-    if isinstance(batch, dict):
-        return {k: _empty_like(v) for k, v in batch.items()}
+    if isinstance(batch, Mapping):
+        items = {k: _empty_like(v) for k, v in batch.items()}
+        return items if type(batch) is dict else type(batch)(items)
     if isinstance(batch, (list, tuple)):
+        if isinstance(batch, list) and all(isinstance(v, (str, bytes)) for v in batch):
+            return []  # per-example strings
         items = [_empty_like(v) for v in batch]
         return type(batch)(items) if not hasattr(batch, "_fields") else type(batch)(*items)
-    return batch
+    raise TypeError(
+        f"fastdp cannot build an empty batch from a collated {type(batch).__name__}: an empty Poisson "
+        "batch must hold no example; collate to tensors, numpy arrays, dicts/mappings, lists or tuples of "
+        "them (or per-example strings)")
 
 
 class EmptySafeCollate:
@@ -155,24 +164,34 @@ class EmptySafeCollate:
 class PoissonDataLoader(DataLoader):
     """A DataLoader over a :class:`PoissonBatchSampler` that knows how many batches the
     training loop has received (``batches_consumed``), so its :meth:`state_dict` is exact
-    even when workers prefetch batches ahead of the loop."""
+    even when workers prefetch batches ahead of the loop. For the optimizer's one-batch-per-
+    step check it keeps ``stepped_at`` (the count at the last step) and ``abandoned`` (batches
+    handed out last before a loop over the loader was left early)."""
 
     def __init__(self, dataset: Dataset, batch_sampler: PoissonBatchSampler, **kwargs):
         super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
-        self.batches_consumed = batch_sampler.position
+        self.batches_consumed = self.stepped_at = batch_sampler.position
+        self.abandoned: set = set()
 
     def __iter__(self):
         self.batch_sampler.position = self.batches_consumed
-        for batch in super().__iter__():
-            self.batches_consumed += 1
-            yield batch
+        finished = False
+        try:
+            for batch in super().__iter__():
+                self.batches_consumed += 1
+                yield batch
+            finished = True
+        finally:
+            if not finished:
+                self.abandoned.add(self.batches_consumed)
 
     def state_dict(self, include_secrets: bool = False) -> Dict[str, Any]:
         return dict(self.batch_sampler.state_dict(include_secrets), position=self.batches_consumed)
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.batch_sampler.load_state_dict(state)
-        self.batches_consumed = self.batch_sampler.position
+        self.batches_consumed = self.stepped_at = self.batch_sampler.position
+        self.abandoned = set()
 
 
 def _loader_kwargs(data_loader: DataLoader) -> Dict[str, Any]:
@@ -293,3 +312,5 @@ class BatchMemoryManager:
         finally:
             if not last:  # left in the middle of a batch: its chunks' clipped sums are dropped
                 self.optimizer.abandon_logical_batch()
+                if poisson:
+                    source.abandoned.add(source.batches_consumed)

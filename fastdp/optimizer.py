@@ -177,22 +177,33 @@ class DPOptimizer(torch.optim.Optimizer):
         )
 
     def attach_loader(self, loader) -> None:
-        """Check at every step that its backward passes all came from one batch of ``loader`` (a
-        :class:`~fastdp.data.PoissonDataLoader`, e.g. ``make_private``'s; each pass is tagged with
-        the loader's batch count). The accountant analyses one Poisson batch per step: gradients
-        of several batches summed into one step can hold a sample several times (sensitivity up
-        to k C)."""
+        """Check at every step that the loop took exactly one batch of ``loader`` (a
+        :class:`~fastdp.data.PoissonDataLoader`, e.g. ``make_private``'s) since the last step and
+        that the step's backward passes all came from it. The accountant analyses one Poisson
+        batch per step: gradients of several batches summed into one step can hold a sample
+        several times (sensitivity up to k C), and a batch skipped without a step (an empty one)
+        reveals that it was empty. A batch handed out last before a loop was left early
+        (``break``) and given no backward pass is not counted."""
         self.loader = loader
+        loader.stepped_at, loader.abandoned = loader.batches_consumed, set()
         self.engine.batch_of_pass = lambda: loader.batches_consumed
 
     def _check_one_batch_per_step(self) -> None:
-        batches = len(self.engine.pass_batches)
-        if batches > 1:
+        loader = self.loader
+        if loader is None:
+            return
+        passes = self.engine.pass_batches
+        drawn = [n for n in range(loader.stepped_at + 1, loader.batches_consumed + 1)
+                 if n not in loader.abandoned or n in passes]
+        loader.stepped_at, loader.abandoned = loader.batches_consumed, set()
+        if len(drawn) > 1 or len(passes) > 1:
             raise RuntimeError(
-                f"the backward passes of this step came from {batches} Poisson batches of the data loader: "
-                "the accountant counts one batch per step, and summing several batches' gradients into one "
-                "step can hold a sample several times; call step() once per batch (BatchMemoryManager "
-                "splits batches too large for memory; a larger batch_size raises the sample rate)")
+                f"{max(len(drawn), len(passes))} Poisson batches of the data loader went into this step "
+                "(gradients of several batches, or a batch skipped without a step): the accountant counts "
+                "one batch per step; summing several batches' gradients can hold a sample several times, and "
+                "skipping a batch (e.g. an empty one) reveals that it was empty. Call step() once per batch, "
+                "empty ones included (BatchMemoryManager splits batches too large for memory; a larger "
+                "batch_size raises the sample rate)")
 
     def abandon_logical_batch(self) -> None:
         """Drop the clipped sums of a logical batch left before its last chunk (a loop over a

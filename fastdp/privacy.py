@@ -7,7 +7,7 @@ from typing import Optional, Tuple
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
 
 from fastdp.data import poisson_loader
 from fastdp.optimizer import DPOptimizer
@@ -51,8 +51,15 @@ def make_private(
     batch_size = data_loader.batch_size
     if not batch_size or dataset_size == 0:
         raise ValueError("make_private needs a data loader with a batch_size over a non-empty dataset")
+    if poisson_sampling and not isinstance(data_loader.sampler, (SequentialSampler, RandomSampler)):
+        raise ValueError(
+            f"make_private samples Poisson batches from the whole dataset, so the loader's "
+            f"{type(data_loader.sampler).__name__} would be ignored (its indices, and the sample rate it "
+            "implies); give a loader over the examples to train on (torch.utils.data.Subset for a split), "
+            "or fastdp.distributed_poisson_loader for data-parallel runs")
     sample_rate = batch_size / dataset_size
-    steps_per_epoch = max(1, round(1 / sample_rate))
+    # Poisson: round(1/q) batches make an epoch; the loader's own fixed-size batches otherwise
+    steps_per_epoch = max(1, round(1 / sample_rate)) if poisson_sampling else len(data_loader)
     if (noise_multiplier is None) == (target_epsilon is None):
         raise ValueError("give exactly one of noise_multiplier or target_epsilon (with target_delta, epochs)")
     if target_epsilon is not None:

@@ -104,7 +104,7 @@ def test_one_poisson_batch_per_step_is_enforced():
         x, y = next(batches)
         nn.functional.cross_entropy(model(x), y).backward()
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(RuntimeError, match="came from 2 Poisson batches"):
+    with pytest.raises(RuntimeError, match="2 Poisson batches of the data loader went into this step"):
         opt.step()
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)) and opt.steps == 3
     assert opt.accountant.steps == 3
@@ -155,3 +155,77 @@ def test_loops_left_early_neither_raise_nor_mix_batches():
                 break
     assert loader.batches_consumed == position + 1 and opt.steps == opt.accountant.steps == 4
     assert sum(seen) == len(loader.batch_sampler.batch(position))  # exactly the next batch
+
+
+def test_batches_fetched_ahead_or_skipped_are_refused():
+    """Tagging passes at backward time let fetched-ahead accumulation and skipped (empty) batches
+    through (review): the loader's count of batches handed out since the last step is checked."""
+    model, opt, loader = _private()
+    batches = iter(loader)
+    xs = [next(batches), next(batches)]
+    opt.zero_grad()
+    for x, y in xs:
+        nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="2 Poisson batches"):
+        opt.step()
+    model, opt, loader = _private()
+    batches = iter(loader)
+    next(batches)  # skipped without a step
+    x, y = next(batches)
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="2 Poisson batches"):
+        opt.step()
+
+
+@pytest.mark.parametrize("kind", ["userdict", "numpy", "strings", "object"])
+def test_empty_batches_hold_no_example_whatever_the_collate(kind):
+    """An empty Poisson batch was the dataset's first example wherever the collate returned a
+    type the emptying did not know (a UserDict such as HF's BatchEncoding, numpy): trained on
+    with no error (review)."""
+    import collections
+
+    import numpy as np
+
+    from fastdp.data import EmptySafeCollate
+    data = TensorDataset(torch.randn(4, 3), torch.arange(4))
+    collate = {"userdict": lambda b: collections.UserDict(x=torch.stack([e[0] for e in b])),
+               "numpy": lambda b: np.stack([e[0].numpy() for e in b]),
+               "strings": lambda b: [f"s{int(e[1])}" for e in b],
+               "object": lambda b: object()}[kind]
+    safe = EmptySafeCollate(data, collate)
+    if kind == "object":
+        with pytest.raises(TypeError, match="cannot build an empty batch"):
+            safe([])
+        return
+    empty = safe([])
+    size = len(empty["x"]) if kind == "userdict" else len(empty)
+    assert size == 0 and type(empty) is type(safe([data[0]]))
+
+
+def test_a_loader_sampler_make_private_would_ignore_is_refused():
+    """Poisson batches are drawn from the whole dataset: a SubsetRandomSampler split trained on
+    held-out examples, at a rate computed for the wrong N (review)."""
+    from torch.utils.data import SubsetRandomSampler
+    model = nn.Linear(3, 2)
+    data = TensorDataset(torch.randn(40, 3), torch.randint(0, 2, (40,)))
+    loader = DataLoader(data, batch_size=4, sampler=SubsetRandomSampler(range(20)))
+    with pytest.raises(ValueError, match="SubsetRandomSampler would be ignored.*Subset"):
+        fastdp.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
+                            max_grad_norm=1.0, noise_multiplier=1.0)
+
+
+def test_fixed_size_batches_calibrate_for_the_loader_s_steps():
+    """poisson_sampling=False keeps the loader: ceil(N / B) batches an epoch, not round(N / B) (review)."""
+    model = nn.Linear(3, 2)
+    loader = DataLoader(TensorDataset(torch.randn(100, 3), torch.randint(0, 2, (100,))), batch_size=40)
+    with pytest.warns(UserWarning, match="not covered"):
+        _, opt, loader = fastdp.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                             data_loader=loader, max_grad_norm=1.0, target_epsilon=2.0,
+                                             target_delta=1e-5, epochs=5, poisson_sampling=False)
+    for _ in range(5):
+        for x, y in loader:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    assert opt.steps == 15 and opt.epsilon(1e-5) <= 2.0
