@@ -20,11 +20,11 @@ from fastdp import _C, ops
 BINDINGS = 2  # csrc/module.cpp's number: a stale build (source updated, not rebuilt) is refused
 _USED = ("noisy_average", "rows_sq_norms", "outer_sq_norms", "total_sq_norms", "clip_factors", "linear_sq_norms_ghost",
          "linear_sq_norms_direct", "embedding_sq_norms", "conv2d_sq_norms", "group_norm_backward")
-if getattr(_C, "BINDINGS", None) != BINDINGS or not all(hasattr(_C, name) for name in _USED):
-    missing = [n for n in _USED if not hasattr(_C, n)]
+_MISSING = [name for name in _USED if not hasattr(_C, name)]
+if getattr(_C, "BINDINGS", None) != BINDINGS or _MISSING:
     raise ImportError(f"fastdp._C ({getattr(_C, '__file__', '?')}) was built from other sources (its bindings "
                       f"{getattr(_C, 'BINDINGS', '< 2')}, these sources' {BINDINGS}"
-                      f"{'; missing ' + ', '.join(missing) if missing else ''}): rebuild it "
+                      f"{'; missing ' + ', '.join(_MISSING) if _MISSING else ''}): rebuild it "
                       "(pip install --no-build-isolation -e . or python setup.py build_ext --inplace)")
 
 # Measured crossover of the native ghost norm against torch.bmm (1 and 2 threads, float32,

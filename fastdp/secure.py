@@ -51,12 +51,13 @@ def os_normals(n: int) -> torch.Tensor:
     ``sqrt(-2 ln u) (cos, sin)``."""
     parts = []
     for start in range(0, n, _CHUNK):
-        pairs = (min(_CHUNK, n - start) + 1) // 2
+        count = min(_CHUNK, n - start)
+        pairs = (count + 1) // 2
         words = torch.frombuffer(bytearray(os.urandom(16 * pairs)), dtype=torch.int64).view(2, pairs)
         top = (words >> 11) & _TOP53  # the top 53 bits of each word (>> is arithmetic: masked)
         radius = torch.sqrt(-2.0 * torch.log((top[0] + 1).double() * 2.0**-53))
         angle = top[1].double() * (2 * math.pi * 2.0**-53)
-        parts.append(torch.cat([radius * torch.cos(angle), radius * torch.sin(angle)])[: min(_CHUNK, n - start)])
+        parts.append(torch.cat([radius * torch.cos(angle), radius * torch.sin(angle)])[:count])
     return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
 
 
