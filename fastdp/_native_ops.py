@@ -31,6 +31,8 @@ if getattr(_C, "BINDINGS", None) != BINDINGS or _MISSING:
 # d, p from 16 to 784): 0.7-1.2x at T = 8, 1.6-2.0x at T = 16.
 GHOST_MIN_SEQ = 16
 
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+
 
 @ops.register("noisy_average", "native", "cpu")
 def noisy_average(sums: Sequence[torch.Tensor], std: float, divisor: float, seed: int,
@@ -41,8 +43,13 @@ def noisy_average(sums: Sequence[torch.Tensor], std: float, divisor: float, seed
         return [s.div_(divisor) if inplace else s / divisor for s in sums]
     srcs = [ops.kernel_operand(s) for s in sums]
     outs = srcs if inplace else [torch.empty_like(s) for s in srcs]
+    divide_after = 1.0 / divisor > _FLOAT32_MAX  # the kernel's float32 reciprocal would be Inf
     _C.noisy_average([s.data_ptr() for s in srcs], [o.data_ptr() for o in outs], [s.numel() for s in srcs],
-                     [s.dtype == torch.float64 for s in srcs], float(std), float(divisor), seed & (2**64 - 1))
+                     [s.dtype == torch.float64 for s in srcs], float(std), 1.0 if divide_after else float(divisor),
+                     seed & (2**64 - 1))
+    if divide_after:
+        for o in outs:
+            o.div_(divisor)
     return ops.in_input_dtypes(outs, sums)
 
 

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastdp.allocator import keep_freed_memory
+from fastdp.cli import positive_float, positive_int
 
 NOISE_MULTIPLIER = 1.0
 MAX_GRAD_NORM = 1.0
@@ -710,9 +711,9 @@ def register(subparsers) -> None:
     p.add_argument("--methods", help=f"comma-separated subset of: {', '.join(METHODS)} (nonprivate always runs)")
     p.add_argument("--quick", action="store_true", help="tiny shapes and few steps (CI smoke run)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
-    p.add_argument("--min-time", type=float, help="seconds of timed steps per method (default 1, quick 0.05)")
-    p.add_argument("--budget", type=float, help="seconds per method before it stops stepping (default 90, quick 30)")
-    p.add_argument("--threads", type=int, help="torch threads per measurement (default: torch's, quick 1)")
+    p.add_argument("--min-time", type=positive_float, help="seconds of timed steps per method (default 1, quick 0.05)")
+    p.add_argument("--budget", type=positive_float, help="seconds per method before it stops stepping (default 90, quick 30)")
+    p.add_argument("--threads", type=positive_int, help="torch threads per measurement (default: torch's, quick 1)")
     p.add_argument("--clock", choices=tuple(_CLOCKS), default="wall",
                    help="time steps by wall clock (default) or by this process's CPU time (shared machines)")
     p.add_argument("--markdown", metavar="PATH", help="also write the markdown table here")

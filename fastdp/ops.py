@@ -168,8 +168,9 @@ def in_input_dtypes(outs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
 
 
 def sum_to_float64(x: torch.Tensor, dims) -> torch.Tensor:
-    """``x.sum(dims)`` accumulated in x's dtype (cascaded on CPU), returned as float64."""
-    return x.sum(dims).double()
+    """``x.sum(dims)`` accumulated in x's compute dtype (cascaded on CPU; float32 for half
+    precision, whose sums overflow at 65504), returned as float64."""
+    return x.sum(dims, dtype=compute_dtype(x.dtype)).double()
 
 
 def outer_sq_norms_ref(a: torch.Tensor, g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -200,7 +201,7 @@ def clip_factors_ref(total: torch.Tensor, bound: float, scale: float, offset: fl
 
 def sample_sq_norms_ref(x: torch.Tensor) -> torch.Tensor:
     """Squared L2 norm of each sample's slice of ``x`` (B, ...), float64 (B,)."""
-    return sum_to_float64(x.flatten(1).square(), 1)
+    return sum_to_float64(x.flatten(1).to(compute_dtype(x.dtype)).square(), 1)
 
 
 def linear_sq_norms_ghost_ref(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -216,7 +217,8 @@ def linear_sq_norms_ghost_ref(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
 
 def linear_sq_norms_direct_ref(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """``||g_i^T a_i||_F^2`` per sample by instantiating the ``(p, d)`` per-sample gradients."""
-    per_sample = torch.bmm(g.transpose(1, 2), a)
+    dtype = compute_dtype(a.dtype)  # half precision: per-sample gradients overflow float16
+    per_sample = torch.bmm(g.to(dtype).transpose(1, 2), a.to(dtype))
     return sum_to_float64(per_sample.square_(), (1, 2))
 
 

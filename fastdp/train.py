@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -27,7 +26,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
+from fastdp.accounting import available_accountants
 from fastdp.allocator import keep_freed_memory
+from fastdp.cli import nonnegative_float, open_unit_float, positive_float, positive_int
 from fastdp.datasets import DATASETS, DatasetNotFoundError, collate_pairs, load_dataset
 from fastdp.privacy import make_private
 
@@ -40,6 +41,10 @@ DEFAULTS: Dict[str, Dict[str, float]] = {
     "digits": dict(epochs=10, batch_size=128, lr=2.0, momentum=0.9, max_grad_norm=0.1),
 }
 ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU}
+
+
+class TrainConfigError(ValueError):
+    """A run that cannot start as configured (checked before any training)."""
 
 
 @dataclass
@@ -65,7 +70,7 @@ class TrainConfig:
     def resolved(self) -> "TrainConfig":
         """A copy with the dataset's defaults filled in."""
         if self.dataset not in DEFAULTS:
-            raise ValueError(f"unknown dataset {self.dataset!r}; choose one of {', '.join(DATASETS)}")
+            raise TrainConfigError(f"unknown dataset {self.dataset!r}; choose one of {', '.join(DATASETS)}")
         values = asdict(self)
         for key, value in DEFAULTS[self.dataset].items():
             if values[key] is None:
@@ -161,12 +166,12 @@ def train(config: TrainConfig) -> TrainResult:
     started = time.perf_counter()
     cfg = config.resolved()
     if cfg.epochs <= 0 or cfg.batch_size <= 0:
-        raise ValueError(f"epochs and batch size must be positive, got {cfg.epochs} and {cfg.batch_size}")
+        raise TrainConfigError(f"epochs and batch size must be positive, got {cfg.epochs} and {cfg.batch_size}")
     torch.manual_seed(cfg.seed)
     data = load_dataset(cfg.dataset, cfg.data_dir, cfg.subset, cfg.seed)
     n = len(data.train)
     if cfg.batch_size > n:
-        raise ValueError(f"batch size {cfg.batch_size} exceeds the {n} training examples "
+        raise TrainConfigError(f"batch size {cfg.batch_size} exceeds the {n} training examples "
                          "(the sample rate B/N must be at most 1)")
     model = build_model(data.input_shape, data.num_classes, cfg.activation)
     base = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
@@ -277,7 +282,7 @@ def run(args: argparse.Namespace) -> int:
               "while that seed stays secret (leave --dp-seed out for a release)", file=sys.stderr)
     try:
         result = train(config)
-    except DatasetNotFoundError as exc:
+    except (DatasetNotFoundError, TrainConfigError) as exc:
         raise SystemExit(f"fastdp train: {exc}") from None
     print(_summary(config.resolved(), result))
     if args.metrics_json:
@@ -292,13 +297,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
-    return value
-
-
 def register(subparsers) -> None:
     """Add the ``train`` command to the ``fastdp`` command line."""
     p = subparsers.add_parser(
@@ -307,22 +305,23 @@ def register(subparsers) -> None:
                     "calibrated to the target epsilon) and report its test accuracy.",
     )
     p.add_argument("--dataset", choices=DATASETS, default="fashion-mnist")
-    p.add_argument("--target-epsilon", type=_positive_float, default=3.0)
-    p.add_argument("--delta", type=_positive_float, default=1e-5)
-    p.add_argument("--epochs", type=int, help="default: 30 (fashion-mnist), 10 (digits)")
-    p.add_argument("--batch-size", type=int, help="expected (Poisson) batch size; default 2048 / 128")
-    p.add_argument("--lr", type=_positive_float, help="SGD learning rate; default 4 / 2")
-    p.add_argument("--momentum", type=float, help="SGD momentum; default 0.9")
-    p.add_argument("--max-grad-norm", type=_positive_float, help="clipping bound C; default 0.1")
+    p.add_argument("--target-epsilon", type=positive_float, default=3.0)
+    p.add_argument("--delta", type=open_unit_float, default=1e-5)
+    p.add_argument("--epochs", type=positive_int, help="default: 30 (fashion-mnist), 10 (digits)")
+    p.add_argument("--batch-size", type=positive_int, help="expected (Poisson) batch size; default 2048 / 128")
+    p.add_argument("--lr", type=positive_float, help="SGD learning rate; default 4 / 2")
+    p.add_argument("--momentum", type=nonnegative_float, help="SGD momentum; default 0.9")
+    p.add_argument("--max-grad-norm", type=positive_float, help="clipping bound C; default 0.1")
     p.add_argument("--activation", choices=sorted(ACTIVATIONS), default="tanh")
-    p.add_argument("--accountant", default="pld", help="privacy accountant: pld (tight) or rdp")
+    p.add_argument("--accountant", choices=available_accountants(), default="pld",
+                   help="privacy accountant: pld (tight, default) or rdp")
     p.add_argument("--seed", type=int, default=0, help="seeds the model's initial weights and --subset")
     p.add_argument("--dp-seed", type=int, help="seeds the noise and the Poisson batches, for reproducible "
                                                "experiments; default: OS entropy, as a private release needs")
-    p.add_argument("--subset", type=int, help="train on this many training examples only")
+    p.add_argument("--subset", type=positive_int, help="train on this many training examples only")
     p.add_argument("--data-dir", help="directory of the Fashion-MNIST IDX files "
                                       "(default /usr/share/datasets/fashion-mnist)")
-    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=positive_int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--metrics-json", metavar="PATH", help="write the final metrics as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of test accuracy and epsilon per epoch")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

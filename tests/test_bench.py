@@ -37,6 +37,13 @@ def test_bench_rejects_unknown_method():
         main(["bench", "--methods", "nope"])
 
 
+@pytest.mark.parametrize("option", ["--threads", "--min-time", "--budget"])
+def test_bench_rejects_non_positive_settings(capsys, option):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--quick", option, "0"])
+    assert exit_info.value.code == 2 and f"argument {option}: expected a positive" in capsys.readouterr().err
+
+
 def test_kernel_microbenchmarks_run_once():
     """bench/test_kernel_benchmarks.py (pytest-benchmark), each case run once without timing:
     its rows compute the same numbers and none of them is broken."""

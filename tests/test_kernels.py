@@ -210,6 +210,17 @@ def test_noise_reproducible_and_scaled():
     assert not torch.equal(z, native.noisy_average([torch.zeros_like(s)], 1.0, 1.0, 43)[0])
 
 
+@pytest.mark.parametrize("inplace", [False, True])
+def test_native_noise_with_a_divisor_below_float32s_reciprocal_range(inplace):
+    """A divisor under 1 / FLT_MAX (2.9e-39) made the kernel's float32 reciprocal Inf: every
+    coordinate came out +-Inf or NaN where dividing gives finite values (review)."""
+    s = torch.full((1000,), 1e-3)
+    z = native.noisy_average([torch.zeros_like(s)], 1.0, 1.0, 7)[0]
+    out = native.noisy_average([s.clone()], 1e-3, 1e-39, 7, inplace=inplace)[0]
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, (s + 1e-3 * z) / 1e-39, rtol=1e-5, atol=0)
+
+
 @pytest.mark.parametrize("backend", ["reference", "native"])
 def test_noise_depends_on_all_64_bits_of_the_seed(backend):
     """torch's CPU generator keeps 32 bits of a seed: seeds differing only in their high word gave
@@ -300,6 +311,23 @@ def test_embedding_norm_kernels(tri, batch, seq, dim, vocab, padding, dtype):
 def test_embedding_norm_all_padding():
     ids = torch.zeros(3, 5, dtype=torch.long)
     assert torch.equal(native.embedding_sq_norms(ids, torch.randn(3, 5, 4), 0), torch.zeros(3, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("backend", ["reference", "native"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_norms_accumulate_in_float32(use_backend, backend, dtype):
+    """Squares and per-sample gradients of half-precision inputs are formed in float32: in
+    float16 a row of ten 300s squared to Inf (review), and a per-sample gradient entry of
+    3 * 300^2 overflowed the direct route's float16 product."""
+    use_backend(backend)
+    x, y = torch.full((2, 10), 300.0, dtype=dtype), torch.full((2, 4), 300.0, dtype=dtype)
+    a, g = torch.full((2, 3, 10), 300.0, dtype=dtype), torch.full((2, 3, 4), 300.0, dtype=dtype)
+    want_row, want_outer = torch.full((2,), 9e5, dtype=torch.float64), torch.full((2,), 9e5 * 3.6e5, dtype=torch.float64)
+    want_seq = torch.full((2,), 9.0 * 10 * 4 * 300.0**4, dtype=torch.float64)
+    torch.testing.assert_close(ops.sample_sq_norms(x), want_row, rtol=1e-6, atol=0)
+    torch.testing.assert_close(ops.outer_sq_norms(x, y)[0], want_outer, rtol=1e-6, atol=0)
+    for route in (ops.linear_sq_norms_direct, ops.linear_sq_norms_ghost):
+        torch.testing.assert_close(route(a, g), want_seq, rtol=1e-6, atol=0)
 
 
 # --------------------------------------------------------------------------- dispatch

@@ -136,6 +136,30 @@ def test_batch_larger_than_dataset_is_rejected():
         train(TrainConfig(dataset="digits", subset=100, batch_size=200, progress=False))
 
 
+@pytest.mark.parametrize("argv, says", [
+    (["--epochs", "0"], "argument --epochs: expected a positive integer, got 0"),
+    (["--batch-size", "x"], "argument --batch-size: expected a positive integer, got 'x'"),
+    (["--accountant", "foo"], "argument --accountant: invalid choice: 'foo'"),
+    (["--delta", "2"], "argument --delta: expected a number strictly between 0 and 1"),
+    (["--momentum", "-1"], "argument --momentum: expected a number >= 0"),
+    (["--subset", "0"], "argument --subset: expected a positive integer"),
+    (["--threads", "0"], "argument --threads: expected a positive integer"),
+    (["--lr", "nan"], "argument --lr: expected a positive number"),
+])
+def test_bad_arguments_are_usage_errors(capsys, argv, says):
+    """Bad values end in argparse's usage error naming the option, not a traceback from deep
+    inside training (review)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--dataset", "digits", "--no-progress", *argv])
+    assert exit_info.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_a_batch_larger_than_the_subset_is_a_message_not_a_traceback():
+    pytest.importorskip("sklearn")
+    with pytest.raises(SystemExit, match="fastdp train: batch size 128 exceeds the 5 training examples"):
+        main(["train", "--dataset", "digits", "--no-progress", "--subset", "5"])
+
+
 @pytest.mark.parametrize("ties", [False, True])
 def test_fast_max_pool_matches_torch(ties):
     """Values and gradients of nn.MaxPool2d(2, stride=1), ties (saturated tanh) included:
