@@ -161,37 +161,85 @@ class EmptySafeCollate:
         return self.collate_fn(samples)
 
 
+class BatchLedger:
+    """The batches a training loop has taken from a :class:`PoissonDataLoader`, for the
+    optimizer's one-batch-per-step check. Batches are numbered from 1 in the order the loop
+    receives them: ``taken`` is the last one's number, ``stepped_at`` what it was at the last
+    step, ``left`` the batches a loop was left early with (``break``) while holding them."""
+
+    def __init__(self, taken: int = 0):
+        self.restart(taken)
+
+    def restart(self, taken: int) -> None:
+        """Start counting at ``taken`` with no step open (a new run, or a resumed position)."""
+        self.taken = self.stepped_at = taken
+        self.left: set = set()
+
+    def take(self) -> None:
+        self.taken += 1
+
+    def leave(self) -> None:
+        """The loop was left while holding batch ``taken``."""
+        self.left.add(self.taken)
+
+    def close_step(self, pass_batches: set) -> None:
+        """Check, at a step, that it took exactly one new batch: ``pass_batches`` are the values
+        of ``taken`` at its backward passes. Refused: several batches handed out since the last
+        step (a batch left early without a backward pass excepted), passes during several
+        batches, or a pass before any new batch was handed out (the previous step's batch again,
+        or data from elsewhere). Either way the next step starts from here."""
+        drawn = [n for n in range(self.stepped_at + 1, self.taken + 1) if n not in self.left or n in pass_batches]
+        reused = any(n <= self.stepped_at for n in pass_batches)
+        self.restart(self.taken)
+        if len(drawn) > 1 or len(pass_batches) > 1:
+            raise RuntimeError(
+                f"{max(len(drawn), len(pass_batches))} Poisson batches of the data loader went into this step "
+                "(gradients of several batches, or a batch skipped without a step): the accountant counts "
+                "one batch per step; summing several batches' gradients can hold a sample several times, and "
+                "skipping a batch (e.g. an empty one) reveals that it was empty. Call step() once per batch, "
+                "empty ones included (BatchMemoryManager splits batches too large for memory; a larger "
+                "batch_size raises the sample rate)")
+        if reused:
+            raise RuntimeError(
+                "this step's backward pass ran after the last step and before the data loader handed out a "
+                "new batch: it used the batch an earlier step already released (its samples would count "
+                "twice, accounted once) or data from outside the loader, which the accountant does not "
+                "cover. Take the next batch from the loader before backward(); call zero_grad() to drop a "
+                "backward pass made for another purpose")
+
+
 class PoissonDataLoader(DataLoader):
     """A DataLoader over a :class:`PoissonBatchSampler` that knows how many batches the
     training loop has received (``batches_consumed``), so its :meth:`state_dict` is exact
-    even when workers prefetch batches ahead of the loop. For the optimizer's one-batch-per-
-    step check it keeps ``stepped_at`` (the count at the last step) and ``abandoned`` (batches
-    handed out last before a loop over the loader was left early)."""
+    even when workers prefetch batches ahead of the loop; its :class:`BatchLedger` serves the
+    optimizer's one-batch-per-step check."""
 
     def __init__(self, dataset: Dataset, batch_sampler: PoissonBatchSampler, **kwargs):
         super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
-        self.batches_consumed = self.stepped_at = batch_sampler.position
-        self.abandoned: set = set()
+        self.ledger = BatchLedger(batch_sampler.position)
+
+    @property
+    def batches_consumed(self) -> int:
+        return self.ledger.taken
 
     def __iter__(self):
-        self.batch_sampler.position = self.batches_consumed
+        self.batch_sampler.position = self.ledger.taken
         finished = False
         try:
             for batch in super().__iter__():
-                self.batches_consumed += 1
+                self.ledger.take()
                 yield batch
             finished = True
         finally:
             if not finished:
-                self.abandoned.add(self.batches_consumed)
+                self.ledger.leave()
 
     def state_dict(self, include_secrets: bool = False) -> Dict[str, Any]:
-        return dict(self.batch_sampler.state_dict(include_secrets), position=self.batches_consumed)
+        return dict(self.batch_sampler.state_dict(include_secrets), position=self.ledger.taken)
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.batch_sampler.load_state_dict(state)
-        self.batches_consumed = self.stepped_at = self.batch_sampler.position
-        self.abandoned = set()
+        self.ledger.restart(self.batch_sampler.position)
 
 
 def _loader_kwargs(data_loader: DataLoader) -> Dict[str, Any]:
@@ -299,13 +347,13 @@ class BatchMemoryManager:
         source = self.data_loader
         poisson = isinstance(source, PoissonDataLoader)
         if poisson:
-            source.batch_sampler.position = source.batches_consumed
+            source.batch_sampler.position = source.ledger.taken
         self._ends.clear()
         last = True
         try:
             for chunk in self._chunks:
                 if last and poisson:  # the first chunk of a batch: the batch is taken
-                    source.batches_consumed += 1
+                    source.ledger.take()
                 last = self._ends.popleft()
                 self.optimizer.signal_skip_step(not last)
                 yield chunk
@@ -313,4 +361,4 @@ class BatchMemoryManager:
             if not last:  # left in the middle of a batch: its chunks' clipped sums are dropped
                 self.optimizer.abandon_logical_batch()
                 if poisson:
-                    source.abandoned.add(source.batches_consumed)
+                    source.ledger.leave()

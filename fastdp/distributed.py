@@ -93,7 +93,8 @@ def distributed_poisson_loader(data_loader: DataLoader, sample_rate: Optional[fl
 class DistributedDPOptimizer(DPOptimizer):
     """:class:`DPOptimizer` whose step all-reduces the clipped sums of all ranks, rank 0
     adding the noise (see the module's conventions). ``expected_batch_size`` is the GLOBAL
-    q N. ``process_group`` defaults to the default group."""
+    q N. ``process_group`` defaults to the default group. Call :meth:`attach_loader` with this
+    rank's :func:`distributed_poisson_loader` to have each step checked to take one batch."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, process_group=None, **kwargs):
         if not dist.is_initialized():

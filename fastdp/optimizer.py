@@ -179,31 +179,19 @@ class DPOptimizer(torch.optim.Optimizer):
     def attach_loader(self, loader) -> None:
         """Check at every step that the loop took exactly one batch of ``loader`` (a
         :class:`~fastdp.data.PoissonDataLoader`, e.g. ``make_private``'s) since the last step and
-        that the step's backward passes all came from it. The accountant analyses one Poisson
-        batch per step: gradients of several batches summed into one step can hold a sample
-        several times (sensitivity up to k C), and a batch skipped without a step (an empty one)
-        reveals that it was empty. A batch handed out last before a loop was left early
-        (``break``) and given no backward pass is not counted."""
+        that the step's backward passes all came from it (see
+        :meth:`~fastdp.data.BatchLedger.close_step`). The accountant analyses one Poisson batch
+        per step: gradients of several batches summed into one step can hold a sample several
+        times (sensitivity up to k C), a batch skipped without a step (an empty one) reveals
+        that it was empty, and a second step on one batch counts its samples twice."""
+        ledger = loader.ledger
+        ledger.restart(ledger.taken)
         self.loader = loader
-        loader.stepped_at, loader.abandoned = loader.batches_consumed, set()
-        self.engine.batch_of_pass = lambda: loader.batches_consumed
+        self.engine.batch_of_pass = lambda: ledger.taken
 
     def _check_one_batch_per_step(self) -> None:
-        loader = self.loader
-        if loader is None:
-            return
-        passes = self.engine.pass_batches
-        drawn = [n for n in range(loader.stepped_at + 1, loader.batches_consumed + 1)
-                 if n not in loader.abandoned or n in passes]
-        loader.stepped_at, loader.abandoned = loader.batches_consumed, set()
-        if len(drawn) > 1 or len(passes) > 1:
-            raise RuntimeError(
-                f"{max(len(drawn), len(passes))} Poisson batches of the data loader went into this step "
-                "(gradients of several batches, or a batch skipped without a step): the accountant counts "
-                "one batch per step; summing several batches' gradients can hold a sample several times, and "
-                "skipping a batch (e.g. an empty one) reveals that it was empty. Call step() once per batch, "
-                "empty ones included (BatchMemoryManager splits batches too large for memory; a larger "
-                "batch_size raises the sample rate)")
+        if self.loader is not None:
+            self.loader.ledger.close_step(self.engine.pass_batches)
 
     def abandon_logical_batch(self) -> None:
         """Drop the clipped sums of a logical batch left before its last chunk (a loop over a

@@ -178,6 +178,31 @@ def test_batches_fetched_ahead_or_skipped_are_refused():
         opt.step()
 
 
+def test_a_second_step_on_a_batch_already_stepped_is_refused():
+    """A backward pass after a step, before the loader handed out a new batch, reuses the stepped
+    batch's samples (counted twice, accounted once) or data from outside the loader: it went
+    through the one-batch check with no batch drawn (review). zero_grad() drops such a pass."""
+    model, opt, loader = _private()
+    batches = iter(loader)
+    x, y = next(batches)
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()  # the same batch again
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="used the batch an earlier step already released"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)) and opt.accountant.steps == 1
+    opt.zero_grad()  # drops the pass: the next batch steps normally
+    x, y = next(batches)
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    assert opt.steps == opt.accountant.steps == 2
+    opt.step()  # no backward pass at all: pure noise, data-independent, allowed
+    assert opt.steps == 3
+
+
 @pytest.mark.parametrize("kind", ["userdict", "numpy", "strings", "object"])
 def test_empty_batches_hold_no_example_whatever_the_collate(kind):
     """An empty Poisson batch was the dataset's first example wherever the collate returned a
