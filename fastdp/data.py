@@ -174,6 +174,7 @@ class BatchLedger:
         """Start counting at ``taken`` with no step open (a new run, or a resumed position)."""
         self.taken = self.stepped_at = taken
         self.left: set = set()
+        self.closed_once = False  # a step (or a refused one) has closed the count since
 
     def take(self) -> None:
         self.taken += 1
@@ -191,6 +192,7 @@ class BatchLedger:
         drawn = [n for n in range(self.stepped_at + 1, self.taken + 1) if n not in self.left or n in pass_batches]
         reused = any(n <= self.stepped_at for n in pass_batches)
         self.restart(self.taken)
+        self.closed_once = True
         if len(drawn) > 1 or len(pass_batches) > 1:
             raise RuntimeError(
                 f"{max(len(drawn), len(pass_batches))} Poisson batches of the data loader went into this step "
@@ -201,11 +203,11 @@ class BatchLedger:
                 "batch_size raises the sample rate)")
         if reused:
             raise RuntimeError(
-                "this step's backward pass ran after the last step and before the data loader handed out a "
-                "new batch: it used the batch an earlier step already released (its samples would count "
-                "twice, accounted once) or data from outside the loader, which the accountant does not "
-                "cover. Take the next batch from the loader before backward(); call zero_grad() to drop a "
-                "backward pass made for another purpose")
+                "this step's backward pass ran after the last step (or a refused one) and before the data "
+                "loader handed out a new batch: it used the batch an earlier step already released (its "
+                "samples would count twice, accounted once), data from outside the loader, which the "
+                "accountant does not cover, or it is left from a refused step. Take the next batch from the "
+                "loader before backward(); call zero_grad() to drop a backward pass made for another purpose")
 
 
 class PoissonDataLoader(DataLoader):

@@ -183,9 +183,13 @@ class DPOptimizer(torch.optim.Optimizer):
         :meth:`~fastdp.data.BatchLedger.close_step`). The accountant analyses one Poisson batch
         per step: gradients of several batches summed into one step can hold a sample several
         times (sensitivity up to k C), a batch skipped without a step (an empty one) reveals
-        that it was empty, and a second step on one batch counts its samples twice."""
+        that it was empty, and a second step on one batch counts its samples twice. The count
+        belongs to the loader: an optimizer attached after another one has stepped on it (rebuilt
+        mid-epoch) continues it, and two optimizers stepping on each batch of one loader are
+        refused (each accountant would see half the privacy cost)."""
         ledger = loader.ledger
-        ledger.restart(ledger.taken)
+        if not ledger.closed_once:
+            ledger.restart(ledger.taken)
         self.loader = loader
         self.engine.batch_of_pass = lambda: ledger.taken
 

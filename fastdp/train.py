@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from fastdp.accounting import available_accountants
 from fastdp.allocator import keep_freed_memory
-from fastdp.cli import nonnegative_float, open_unit_float, positive_float, positive_int
+from fastdp.cli import nonnegative_float, nonnegative_int, open_unit_float, positive_float, positive_int
 from fastdp.datasets import DATASETS, DatasetNotFoundError, collate_pairs, load_dataset
 from fastdp.privacy import make_private
 
@@ -315,8 +315,8 @@ def register(subparsers) -> None:
     p.add_argument("--activation", choices=sorted(ACTIVATIONS), default="tanh")
     p.add_argument("--accountant", choices=available_accountants(), default="pld",
                    help="privacy accountant: pld (tight, default) or rdp")
-    p.add_argument("--seed", type=int, default=0, help="seeds the model's initial weights and --subset")
-    p.add_argument("--dp-seed", type=int, help="seeds the noise and the Poisson batches, for reproducible "
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="seeds the model's initial weights and --subset")
+    p.add_argument("--dp-seed", type=nonnegative_int, help="seeds the noise and the Poisson batches, for reproducible "
                                                "experiments; default: OS entropy, as a private release needs")
     p.add_argument("--subset", type=positive_int, help="train on this many training examples only")
     p.add_argument("--data-dir", help="directory of the Fashion-MNIST IDX files "

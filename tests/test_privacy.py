@@ -203,6 +203,25 @@ def test_a_second_step_on_a_batch_already_stepped_is_refused():
     assert opt.steps == 3
 
 
+def test_an_optimizer_rebuilt_mid_epoch_continues_the_loader_s_count():
+    """attach_loader restarted the count, marking the batch in hand as stepped: the rebuilt
+    optimizer's first step was refused as a reuse (review)."""
+    model, opt, loader = _private()
+    batches = iter(loader)
+    x, y = next(batches)
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    x, y = next(batches)
+    opt.detach()
+    rebuilt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), module=model, noise_multiplier=1.0,
+                                 max_grad_norm=1.0, expected_batch_size=4)
+    rebuilt.attach_loader(loader)
+    nn.functional.cross_entropy(model(x), y).backward()
+    rebuilt.step()
+    assert rebuilt.steps == 1
+
+
 @pytest.mark.parametrize("kind", ["userdict", "numpy", "strings", "object"])
 def test_empty_batches_hold_no_example_whatever_the_collate(kind):
     """An empty Poisson batch was the dataset's first example wherever the collate returned a

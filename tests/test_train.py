@@ -145,6 +145,8 @@ def test_batch_larger_than_dataset_is_rejected():
     (["--subset", "0"], "argument --subset: expected a positive integer"),
     (["--threads", "0"], "argument --threads: expected a positive integer"),
     (["--lr", "nan"], "argument --lr: expected a positive number"),
+    (["--seed", "-1"], "argument --seed: expected an integer >= 0"),
+    (["--dp-seed", "-1"], "argument --dp-seed: expected an integer >= 0"),
 ])
 def test_bad_arguments_are_usage_errors(capsys, argv, says):
     """Bad values end in argparse's usage error naming the option, not a traceback from deep
