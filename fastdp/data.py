@@ -191,8 +191,7 @@ class BatchLedger:
         or data from elsewhere). Either way the next step starts from here."""
         drawn = [n for n in range(self.stepped_at + 1, self.taken + 1) if n not in self.left or n in pass_batches]
         reused = any(n <= self.stepped_at for n in pass_batches)
-        self.restart(self.taken)
-        self.closed_once = True
+        self.stepped_at, self.left, self.closed_once = self.taken, set(), True
         if len(drawn) > 1 or len(pass_batches) > 1:
             raise RuntimeError(
                 f"{max(len(drawn), len(pass_batches))} Poisson batches of the data loader went into this step "

@@ -89,16 +89,20 @@ def _private(n=40, batch_size=4, **kw):
                                data_loader=loader, max_grad_norm=1.0, noise_multiplier=1.0, **kw)
 
 
+def _step_on(model, opt, x, y):
+    """The plain loop's body: zero_grad, backward, step."""
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
 def test_one_poisson_batch_per_step_is_enforced():
     """Gradients of k Poisson batches summed into one step were accounted as one step at rate q:
     a sample can be in several of them (sensitivity up to k C), so epsilon was under-reported (review)."""
     model, opt, loader = _private()
     batches = iter(loader)
     for _ in range(3):  # the plain loop: one batch, one step
-        x, y = next(batches)
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+        _step_on(model, opt, *next(batches))
     opt.zero_grad()
     for _ in range(2):  # gradient accumulation over two sampled batches
         x, y = next(batches)
@@ -126,22 +130,16 @@ def test_loops_left_early_neither_raise_nor_mix_batches():
     sums, and the next loop starts on the next batch (it drew the same one again, whose samples
     then counted twice in one step: review)."""
     model, opt, loader = _private(n=60, batch_size=12)
-
-    def one_step(x, y):
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-
     for i, (x, y) in enumerate(loader):
         if i == 2:
             break
-        one_step(x, y)
+        _step_on(model, opt, x, y)
     for x, y in loader:  # the next batches, one step each
-        one_step(x, y)
+        _step_on(model, opt, x, y)
         break
     with fastdp.BatchMemoryManager(data_loader=loader, max_physical_batch_size=2, optimizer=opt) as chunks:
         for i, (x, y) in enumerate(chunks):
-            one_step(x, y)
+            _step_on(model, opt, x, y)
             if i == 1 and opt._logical_batch_open:
                 break
     position = loader.batches_consumed
@@ -150,7 +148,7 @@ def test_loops_left_early_neither_raise_nor_mix_batches():
     with fastdp.BatchMemoryManager(data_loader=loader, max_physical_batch_size=2, optimizer=opt) as chunks:
         for x, y in chunks:
             seen.append(len(x))
-            one_step(x, y)
+            _step_on(model, opt, x, y)
             if not opt._logical_batch_open:
                 break
     assert loader.batches_consumed == position + 1 and opt.steps == opt.accountant.steps == 4
@@ -185,9 +183,7 @@ def test_a_second_step_on_a_batch_already_stepped_is_refused():
     model, opt, loader = _private()
     batches = iter(loader)
     x, y = next(batches)
-    opt.zero_grad()
-    nn.functional.cross_entropy(model(x), y).backward()
-    opt.step()
+    _step_on(model, opt, x, y)
     opt.zero_grad()
     nn.functional.cross_entropy(model(x), y).backward()  # the same batch again
     before = [p.detach().clone() for p in model.parameters()]
@@ -208,10 +204,7 @@ def test_an_optimizer_rebuilt_mid_epoch_continues_the_loader_s_count():
     optimizer's first step was refused as a reuse (review)."""
     model, opt, loader = _private()
     batches = iter(loader)
-    x, y = next(batches)
-    opt.zero_grad()
-    nn.functional.cross_entropy(model(x), y).backward()
-    opt.step()
+    _step_on(model, opt, *next(batches))
     x, y = next(batches)
     opt.detach()
     rebuilt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), module=model, noise_multiplier=1.0,
