@@ -146,6 +146,18 @@ def _empty_like(batch: Any) -> Any:
         "them (or per-example strings)")
 
 
+def _holds_no_example(batch: Any) -> bool:
+    """Whether a collated batch is empty, as :func:`_empty_like` builds one: every tensor or
+    array in it has length 0 (a list of per-example strings: no string)."""
+    if isinstance(batch, (torch.Tensor, np.ndarray)):
+        return batch.ndim > 0 and len(batch) == 0
+    if isinstance(batch, Mapping):
+        return all(_holds_no_example(v) for v in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return all(_holds_no_example(v) for v in batch)
+    return False
+
+
 class EmptySafeCollate:
     """Wraps a collate function so an empty batch collates to zero-length tensors shaped
     like a real batch (taken from the dataset's first example)."""
@@ -165,7 +177,10 @@ class BatchLedger:
     """The batches a training loop has taken from a :class:`PoissonDataLoader`, for the
     optimizer's one-batch-per-step check. Batches are numbered from 1 in the order the loop
     receives them: ``taken`` is the last one's number, ``stepped_at`` what it was at the last
-    step, ``left`` the batches a loop was left early with (``break``) while holding them."""
+    step, ``left`` the non-empty batches a loop was left early with (``break``) while holding
+    them: one left without a backward pass does not count as drawn (a loop stopped after some
+    number of steps), an empty one does (leaving it, then going on in a new loop, skips it for
+    being empty, which is what the check refuses)."""
 
     def __init__(self, taken: int = 0):
         self.restart(taken)
@@ -179,9 +194,10 @@ class BatchLedger:
     def take(self) -> None:
         self.taken += 1
 
-    def leave(self) -> None:
-        """The loop was left while holding batch ``taken``."""
-        self.left.add(self.taken)
+    def leave(self, empty: bool = False) -> None:
+        """The loop was left while holding batch ``taken`` (``empty``: a batch of no example)."""
+        if not empty:
+            self.left.add(self.taken)
 
     def close_step(self, pass_batches: set) -> None:
         """Check, at a step, that it took exactly one new batch: ``pass_batches`` are the values
@@ -192,6 +208,14 @@ class BatchLedger:
         drawn = [n for n in range(self.stepped_at + 1, self.taken + 1) if n not in self.left or n in pass_batches]
         reused = any(n <= self.stepped_at for n in pass_batches)
         self.stepped_at, self.left, self.closed_once = self.taken, set(), True
+        if reused:
+            raise RuntimeError(
+                "this step's backward pass used the batch an earlier step already released (its samples would "
+                "count twice, accounted once): it ran after the last step (or a refused one) before the data "
+                "loader handed out a new batch, or it saw the last step's input tensor again; or it used data "
+                "from outside the loader, which the accountant does not cover. Take the next batch from the "
+                "loader before backward() and train on it; call zero_grad() to drop a backward pass made for "
+                "another purpose")
         if len(drawn) > 1 or len(pass_batches) > 1:
             raise RuntimeError(
                 f"{max(len(drawn), len(pass_batches))} Poisson batches of the data loader went into this step "
@@ -200,13 +224,6 @@ class BatchLedger:
                 "skipping a batch (e.g. an empty one) reveals that it was empty. Call step() once per batch, "
                 "empty ones included (BatchMemoryManager splits batches too large for memory; a larger "
                 "batch_size raises the sample rate)")
-        if reused:
-            raise RuntimeError(
-                "this step's backward pass ran after the last step (or a refused one) and before the data "
-                "loader handed out a new batch: it used the batch an earlier step already released (its "
-                "samples would count twice, accounted once), data from outside the loader, which the "
-                "accountant does not cover, or it is left from a refused step. Take the next batch from the "
-                "loader before backward(); call zero_grad() to drop a backward pass made for another purpose")
 
 
 class PoissonDataLoader(DataLoader):
@@ -225,15 +242,15 @@ class PoissonDataLoader(DataLoader):
 
     def __iter__(self):
         self.batch_sampler.position = self.ledger.taken
-        finished = False
+        finished, held = False, None
         try:
-            for batch in super().__iter__():
+            for held in super().__iter__():
                 self.ledger.take()
-                yield batch
+                yield held
             finished = True
         finally:
             if not finished:
-                self.ledger.leave()
+                self.ledger.leave(empty=held is not None and _holds_no_example(held))
 
     def state_dict(self, include_secrets: bool = False) -> Dict[str, Any]:
         return dict(self.batch_sampler.state_dict(include_secrets), position=self.ledger.taken)

@@ -80,6 +80,8 @@ class GradSampleEngine:
         # (weak reference, version), to tell the same samples backpropagated twice
         self._pass_inputs: Dict[int, tuple] = {}
         self._step_inputs: Dict[int, tuple] = {}
+        # the last step's layer inputs and the batches its passes came from (see _check_new_samples)
+        self._stepped: tuple = ({}, set())
         self._owned_grads: Dict[torch.Tensor, tuple] = {}
         # which data batch each backward pass since the last step came from (DPOptimizer.attach_loader)
         self.batch_of_pass: Optional[Callable[[], object]] = None
@@ -223,18 +225,20 @@ class GradSampleEngine:
     def _check_new_samples(self, inputs: Dict[int, tuple]) -> None:
         """Each backward pass before a step adds its samples' clipped sums, so it must see new
         samples: a layer input (same tensor, unchanged) already seen in an earlier pass since the
-        last step means the same samples twice, with noise for once."""
-        seen = self._step_inputs
-        repeated = any(key in seen and ref() is not None and seen[key][0]() is ref() and seen[key][1] == version
-                       for key, (ref, version) in inputs.items())
-        seen.update(inputs)
-        if repeated:
+        last step means the same samples twice, with noise for once. Under a data loader's
+        one-batch check (``batch_of_pass`` set), a pass that sees the last step's inputs again
+        is tagged with that step's batches, so the ledger refuses the step as a reuse."""
+        if _any_seen_before(inputs, self._step_inputs):
             raise UnsupportedModuleError(
                 "the same samples were backpropagated twice before step() (a layer saw the same "
                 "input tensor in two backward() calls): fastdp clips each backward call's samples "
                 "on their own, so they would count twice while the noise is scaled for once; add "
                 "the losses and call backward() once"
             )
+        self._step_inputs.update(inputs)
+        stepped_inputs, stepped_batches = self._stepped
+        if self.batch_of_pass is not None and _any_seen_before(inputs, stepped_inputs):
+            self.pass_batches.update(stepped_batches)
 
     def _coefficients(self, params: List[torch.Tensor], norms: List[torch.Tensor], scale: float,
                       total_sq: Optional[torch.Tensor], bad: Optional[torch.Tensor]):
@@ -343,7 +347,9 @@ class GradSampleEngine:
         sums = [self.summed.pop(p, None) for p in self.params]
         sums = [torch.zeros_like(p, dtype=compute_dtype(p.dtype)) if s is None else s
                 for p, s in zip(self.params, sums)]
+        stepped = (self._step_inputs, self.pass_batches)
         self.clear()
+        self._stepped = stepped
         return sums
 
     def clear(self) -> None:
@@ -352,6 +358,13 @@ class GradSampleEngine:
         self.samples_seen = 0
         self._step_inputs = {}
         self.pass_batches = set()
+
+
+def _any_seen_before(inputs: Dict[int, tuple], seen: Dict[int, tuple]) -> bool:
+    """Whether a tensor of ``inputs`` (id -> (weak reference, version)) is in ``seen``, alive
+    and unchanged since."""
+    return any(key in seen and ref() is not None and seen[key][0]() is ref() and seen[key][1] == version
+               for key, (ref, version) in inputs.items())
 
 
 def _stale_forward(module: nn.Module) -> bool:

@@ -199,6 +199,68 @@ def test_a_second_step_on_a_batch_already_stepped_is_refused():
     assert opt.steps == 3
 
 
+def test_a_stepped_batch_trained_on_again_after_drawing_another_is_refused():
+    """The ledger counts batches, not samples: drawing the next batch, leaving it unused and
+    backpropagating the stepped batch's tensor again went through (review); the engine now
+    knows the last step's inputs and tags such a pass with that step's batch."""
+    model, opt, loader = _private()
+    batches = iter(loader)
+    x, y = next(batches)
+    _step_on(model, opt, x, y)
+    next(batches)  # drawn, then discarded
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="used the batch an earlier step already released"):
+        opt.step()
+    assert opt.steps == opt.accountant.steps == 1
+    opt.zero_grad()
+    _step_on(model, opt, *next(batches))  # the loop goes on with a new batch
+    assert opt.steps == opt.accountant.steps == 2
+
+
+def test_full_batch_steps_on_one_tensor_without_a_loader_are_allowed():
+    """Without a loader's check the same tensor may be every step's batch (full-batch DP-GD)."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), module=model, noise_multiplier=1.0,
+                             max_grad_norm=1.0, expected_batch_size=8)
+    x, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+    for _ in range(3):
+        _step_on(model, opt, x, y)
+    assert opt.steps == 3
+
+
+def test_an_empty_batch_skipped_by_leaving_the_loop_is_refused():
+    """A loop left (break) on an empty batch and continued in a new loop skipped that batch for
+    being empty, unrefused: left batches were exempt from the count (review). Leaving a
+    non-empty batch unused (a loop stopped after some steps) is still allowed."""
+    model, opt, loader = _private(n=40, batch_size=4)
+    sampler = loader.batch_sampler
+    empty = next(n for n in range(10_000) if not sampler.batch(n))
+    loader.load_state_dict(dict(loader.state_dict(), position=empty - 1))
+    for x, y in loader:  # batch empty - 1: stepped
+        _step_on(model, opt, x, y)
+        break
+    for x, y in loader:  # the empty batch: left without a step
+        assert len(x) == 0
+        break
+    for x, y in loader:
+        nn.functional.cross_entropy(model(x), y).backward()
+        with pytest.raises(RuntimeError, match="2 Poisson batches"):
+            opt.step()
+        break
+    nonempty = next(n for n in range(empty + 2, 10_000) if sampler.batch(n))
+    model, opt, loader = _private(n=40, batch_size=4)
+    loader.load_state_dict(dict(loader.state_dict(), position=nonempty - 1))
+    for x, y in loader:  # the non-empty batch: left unused
+        assert len(x) > 0
+        break
+    for x, y in loader:
+        _step_on(model, opt, x, y)
+        break
+    assert opt.steps == 1
+
+
 def test_an_optimizer_rebuilt_mid_epoch_continues_the_loader_s_count():
     """attach_loader restarted the count, marking the batch in hand as stepped: the rebuilt
     optimizer's first step was refused as a reuse (review)."""
