@@ -99,7 +99,7 @@ def clip_factors(total: torch.Tensor, bound: float, scale: float, offset: float,
 @ops.register("embedding_sq_norms", "native", "cpu")
 def embedding_sq_norms(ids: torch.Tensor, g: torch.Tensor, padding_idx) -> torch.Tensor:
     """Per-sample sort of the ids and segment sums of ``g`` rows in float64, OpenMP over samples."""
-    g = ops.kernel_operand(g.reshape(ids.shape[0], ids.shape[1], -1))
+    g = ops.kernel_operand(g.reshape(ids.shape[0], ids.shape[1], g.shape[-1]))
     out = torch.empty(ids.shape[0], dtype=torch.float64)
     _C.embedding_sq_norms(ids.detach().to(torch.int64).contiguous().numpy(), g.numpy(),
                           padding_idx is not None, -1 if padding_idx is None else int(padding_idx), out.numpy())

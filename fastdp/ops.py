@@ -233,7 +233,7 @@ def embedding_sq_norms_ref(
     no gradient and are excluded. O(B T D).
     """
     batch, seq = ids.shape
-    flat_g = g.reshape(batch * seq, -1)
+    flat_g = g.reshape(batch * seq, g.shape[-1])
     sample = torch.arange(batch, device=ids.device).repeat_interleave(seq)
     key = sample * (int(ids.max().item()) + 1 if ids.numel() else 1) + ids.reshape(-1)
     keep = None

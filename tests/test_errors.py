@@ -214,11 +214,18 @@ def test_batch_dimension_mismatch_is_reported():
         model(torch.randn(4, 5, 3)).sum().backward()
 
 
-def test_unbatched_input_is_refused():
-    model = nn.Sequential(nn.Conv2d(1, 2, 3))
+@pytest.mark.parametrize("layer, shape", [
+    (lambda: nn.Conv2d(1, 2, 3), (1, 5, 5)),
+    # InstanceNorm took the channels of an unbatched input for samples: wrong output and clipping (review)
+    (lambda: nn.InstanceNorm1d(3, affine=True), (3, 5)),
+    (lambda: nn.InstanceNorm2d(3, affine=True), (3, 3, 5)),
+    (lambda: nn.InstanceNorm3d(2, affine=True), (2, 2, 3, 4)),
+], ids=["conv2d", "instancenorm1d", "instancenorm2d", "instancenorm3d"])
+def test_unbatched_input_is_refused(layer, shape):
+    model = nn.Sequential(layer())
     make(model)
     with pytest.raises(fastdp.UnsupportedModuleError, match="batched input"):
-        model(torch.randn(1, 5, 5))
+        model(torch.randn(*shape))
 
 
 EMPTY_BATCH_MODELS = {  # one per layer family, with the input of an empty (Poisson) batch

@@ -6,6 +6,8 @@ by summing g over equal (sample, token) pairs. ``padding_idx`` positions get no 
 """
 from __future__ import annotations
 
+import math
+
 from typing import Dict, Iterable
 
 import torch
@@ -56,12 +58,15 @@ class EmbeddingRule(LayerRule):
 
     @staticmethod
     def _flat(rec: Record):
-        ids = rec.activation
-        g = rec.grad_output
-        return ids.reshape(ids.shape[0], -1), g.reshape(g.shape[0], -1, g.shape[-1])
+        """ids (B, T) and g (B, T, D), T the positions per sample (sizes explicit: T may be 0)."""
+        ids, g = rec.activation, rec.grad_output
+        batch, seq = ids.shape[0], math.prod(ids.shape[1:])
+        return ids.reshape(batch, seq), g.reshape(batch, seq, g.shape[-1])
 
     def sq_norms(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
         ids, g = self._flat(rec)
+        if ids.shape[1] == 0:  # no position: no gradient
+            return {"weight": g.new_zeros(ids.shape[0], dtype=torch.float64)}
         return {"weight": ops.embedding_sq_norms(ids, g, rec.module.padding_idx)}
 
     def _masked(self, rec: Record):

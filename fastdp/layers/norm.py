@@ -210,6 +210,15 @@ class InstanceNormRule(_AffineNormRule):
                 "set track_running_stats=False (fastdp.fix(model) does this)"
             )
 
+    def forward(self, module, tap: Tap, x: torch.Tensor) -> torch.Tensor:
+        spatial = next(n for kind, n in ((nn.InstanceNorm3d, 3), (nn.InstanceNorm2d, 2), (nn.InstanceNorm1d, 1))
+                       if isinstance(module, kind))
+        if x.dim() != spatial + 2:  # unbatched (C, *S) would normalise each channel as a "sample"
+            raise UnsupportedModuleError(
+                f"{type(module).__name__} got an input of shape {tuple(x.shape)}: fastdp needs a batched input "
+                f"(B, C, {', '.join('S' * spatial)}); add the batch dimension with x.unsqueeze(0)")
+        return super().forward(module, tap, x)
+
     def normalize(self, module, x):
         return F.instance_norm(x, None, None, None, None, True, 0.0, module.eps)
 
