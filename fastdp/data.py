@@ -146,18 +146,6 @@ def _empty_like(batch: Any) -> Any:
         "them (or per-example strings)")
 
 
-def _holds_no_example(batch: Any) -> bool:
-    """Whether a collated batch is empty, as :func:`_empty_like` builds one: every tensor or
-    array in it has length 0 (a list of per-example strings: no string)."""
-    if isinstance(batch, (torch.Tensor, np.ndarray)):
-        return batch.ndim > 0 and len(batch) == 0
-    if isinstance(batch, Mapping):
-        return all(_holds_no_example(v) for v in batch.values())
-    if isinstance(batch, (list, tuple)):
-        return all(_holds_no_example(v) for v in batch)
-    return False
-
-
 class EmptySafeCollate:
     """Wraps a collate function so an empty batch collates to zero-length tensors shaped
     like a real batch (taken from the dataset's first example)."""
@@ -177,10 +165,8 @@ class BatchLedger:
     """The batches a training loop has taken from a :class:`PoissonDataLoader`, for the
     optimizer's one-batch-per-step check. Batches are numbered from 1 in the order the loop
     receives them: ``taken`` is the last one's number, ``stepped_at`` what it was at the last
-    step, ``left`` the non-empty batches a loop was left early with (``break``) while holding
-    them: one left without a backward pass does not count as drawn (a loop stopped after some
-    number of steps), an empty one does (leaving it, then going on in a new loop, skips it for
-    being empty, which is what the check refuses)."""
+    step. Every batch taken counts, used or not: a batch left unused (a loop left with
+    ``break``, then resumed) is indistinguishable from one skipped for its content."""
 
     def __init__(self, taken: int = 0):
         self.restart(taken)
@@ -188,42 +174,38 @@ class BatchLedger:
     def restart(self, taken: int) -> None:
         """Start counting at ``taken`` with no step open (a new run, or a resumed position)."""
         self.taken = self.stepped_at = taken
-        self.left: set = set()
         self.closed_once = False  # a step (or a refused one) has closed the count since
 
     def take(self) -> None:
         self.taken += 1
 
-    def leave(self, empty: bool = False) -> None:
-        """The loop was left while holding batch ``taken`` (``empty``: a batch of no example)."""
-        if not empty:
-            self.left.add(self.taken)
-
     def close_step(self, pass_batches: set) -> None:
         """Check, at a step, that it took exactly one new batch: ``pass_batches`` are the values
-        of ``taken`` at its backward passes. Refused: several batches handed out since the last
-        step (a batch left early without a backward pass excepted), passes during several
-        batches, or a pass before any new batch was handed out (the previous step's batch again,
-        or data from elsewhere). Either way the next step starts from here."""
-        drawn = [n for n in range(self.stepped_at + 1, self.taken + 1) if n not in self.left or n in pass_batches]
+        of ``taken`` at its backward passes (or an earlier step's batches, for a pass that saw
+        its inputs again). Refused: a pass on a batch an earlier step released, several batches
+        handed out since the last step, or passes during several. Either way the next step
+        starts from here."""
+        drawn = self.taken - self.stepped_at
         reused = any(n <= self.stepped_at for n in pass_batches)
-        self.stepped_at, self.left, self.closed_once = self.taken, set(), True
+        self.stepped_at, self.closed_once = self.taken, True
         if reused:
             raise RuntimeError(
                 "this step's backward pass used the batch an earlier step already released (its samples would "
                 "count twice, accounted once): it ran after the last step (or a refused one) before the data "
-                "loader handed out a new batch, or it saw the last step's input tensor again; or it used data "
+                "loader handed out a new batch, or it saw an earlier step's input tensor again; or it used data "
                 "from outside the loader, which the accountant does not cover. Take the next batch from the "
                 "loader before backward() and train on it; call zero_grad() to drop a backward pass made for "
                 "another purpose")
-        if len(drawn) > 1 or len(pass_batches) > 1:
+        if drawn > 1 or len(pass_batches) > 1:
             raise RuntimeError(
-                f"{max(len(drawn), len(pass_batches))} Poisson batches of the data loader went into this step "
-                "(gradients of several batches, or a batch skipped without a step): the accountant counts "
-                "one batch per step; summing several batches' gradients can hold a sample several times, and "
-                "skipping a batch (e.g. an empty one) reveals that it was empty. Call step() once per batch, "
-                "empty ones included (BatchMemoryManager splits batches too large for memory; a larger "
-                "batch_size raises the sample rate)")
+                f"{max(drawn, len(pass_batches))} Poisson batches of the data loader went into this step: the "
+                "accountant counts one batch per step, and every batch handed out must go into one. Summing "
+                "several batches' gradients can hold a sample several times; a batch taken and not stepped on "
+                "(skipped with continue, or held when a loop was left with break and another loop went on) is "
+                "indistinguishable from one skipped for its content (e.g. for being empty). Call step() once "
+                "per batch, empty ones included; end a loop before taking a batch it will not use (e.g. "
+                "itertools.islice(loader, n), not a break after taking it); BatchMemoryManager splits batches "
+                "too large for memory")
 
 
 class PoissonDataLoader(DataLoader):
@@ -242,15 +224,9 @@ class PoissonDataLoader(DataLoader):
 
     def __iter__(self):
         self.batch_sampler.position = self.ledger.taken
-        finished, held = False, None
-        try:
-            for held in super().__iter__():
-                self.ledger.take()
-                yield held
-            finished = True
-        finally:
-            if not finished:
-                self.ledger.leave(empty=held is not None and _holds_no_example(held))
+        for batch in super().__iter__():
+            self.ledger.take()
+            yield batch
 
     def state_dict(self, include_secrets: bool = False) -> Dict[str, Any]:
         return dict(self.batch_sampler.state_dict(include_secrets), position=self.ledger.taken)
@@ -367,7 +343,7 @@ class BatchMemoryManager:
         if poisson:
             source.batch_sampler.position = source.ledger.taken
         self._ends.clear()
-        last = True
+        last, finished = True, False
         try:
             for chunk in self._chunks:
                 if last and poisson:  # the first chunk of a batch: the batch is taken
@@ -375,8 +351,7 @@ class BatchMemoryManager:
                 last = self._ends.popleft()
                 self.optimizer.signal_skip_step(not last)
                 yield chunk
+            finished = True
         finally:
-            if not last:  # left in the middle of a batch: its chunks' clipped sums are dropped
+            if not finished:  # left before a batch's step: the clipped sums of its chunks are dropped
                 self.optimizer.abandon_logical_batch()
-                if poisson:
-                    source.ledger.leave()

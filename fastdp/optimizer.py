@@ -187,7 +187,11 @@ class DPOptimizer(torch.optim.Optimizer):
         belongs to the loader: an optimizer attached after another one has stepped on it (rebuilt
         mid-epoch) continues it, and two optimizers stepping on each batch of one loader are
         refused (each accountant would see half the privacy cost)."""
-        ledger = loader.ledger
+        ledger = getattr(loader, "ledger", None)
+        if ledger is None:
+            raise TypeError(
+                f"attach_loader needs a fastdp PoissonDataLoader (it counts the batches it hands out), got "
+                f"{type(loader).__name__}: build it with fastdp.poisson_loader(data_loader) or make_private")
         if not ledger.closed_once:
             ledger.restart(ledger.taken)
         self.loader = loader
@@ -229,8 +233,6 @@ class DPOptimizer(torch.optim.Optimizer):
     def privatise_grads(self) -> None:
         """Write ``(sum of clipped grads + N(0, (sigma C)^2)) / expected_batch_size`` into ``.grad``
         of every private parameter that still requires grad (frozen since: ``.grad = None``)."""
-        self._check_trainable()
-        self.engine.check_foreign_grads()  # also where no hooked layer ran, so no backward callback did
         sums = self.engine.take_sums()
         params = self.engine.params
         if not all(p.requires_grad for p in params):
@@ -277,6 +279,9 @@ class DPOptimizer(torch.optim.Optimizer):
             self._skip_next_step, self._logical_batch_open = False, True
             return loss
         self._logical_batch_open = False
+        # checks that refuse the step before the loader's count closes it: fixed, it can be retried
+        self._check_trainable()
+        self.engine.check_foreign_grads()  # also where no hooked layer ran, so no backward callback did
         self._check_one_batch_per_step()
         self.privatise_grads()
         self.original_optimizer.step()

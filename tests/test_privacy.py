@@ -1,4 +1,6 @@
 """make_private: calibration, the accountant it attaches, sampling and argument errors."""
+import itertools
+
 import pytest
 import torch
 from torch import nn
@@ -124,35 +126,43 @@ def test_chunks_of_one_poisson_batch_make_one_step():
     assert opt.steps == opt.accountant.steps == len(loader)
 
 
-def test_loops_left_early_neither_raise_nor_mix_batches():
-    """A plain loop left with break (the batch drawn, never stepped) does not trip the one-batch
-    check; a BatchMemoryManager loop left in the middle of a batch drops that batch's clipped
-    sums, and the next loop starts on the next batch (it drew the same one again, whose samples
-    then counted twice in one step: review)."""
+def test_loops_left_after_a_step_go_on_and_chunks_of_a_left_batch_are_dropped():
+    """A loop left with break after its step, or limited with islice, takes no batch it does
+    not step on: the next loop goes on. A BatchMemoryManager loop left before a batch's step
+    (in the middle of it, or on its last chunk) drops that batch's clipped sums: they were
+    added to the next batch's step (review)."""
     model, opt, loader = _private(n=60, batch_size=12)
-    for i, (x, y) in enumerate(loader):
-        if i == 2:
-            break
-        _step_on(model, opt, x, y)
-    for x, y in loader:  # the next batches, one step each
+    for x, y in loader:
         _step_on(model, opt, x, y)
         break
-    with fastdp.BatchMemoryManager(data_loader=loader, max_physical_batch_size=2, optimizer=opt) as chunks:
-        for i, (x, y) in enumerate(chunks):
-            _step_on(model, opt, x, y)
-            if i == 1 and opt._logical_batch_open:
-                break
-    position = loader.batches_consumed
-    assert not opt.engine.summed and not opt._logical_batch_open
-    seen = []
-    with fastdp.BatchMemoryManager(data_loader=loader, max_physical_batch_size=2, optimizer=opt) as chunks:
-        for x, y in chunks:
-            seen.append(len(x))
-            _step_on(model, opt, x, y)
-            if not opt._logical_batch_open:
-                break
-    assert loader.batches_consumed == position + 1 and opt.steps == opt.accountant.steps == 4
-    assert sum(seen) == len(loader.batch_sampler.batch(position))  # exactly the next batch
+    for x, y in itertools.islice(loader, 2):
+        _step_on(model, opt, x, y)
+    assert opt.steps == opt.accountant.steps == 3
+    for leave_on_last_chunk in (False, True):
+        with fastdp.BatchMemoryManager(data_loader=loader, max_physical_batch_size=2, optimizer=opt) as chunks:
+            for x, y in chunks:
+                if leave_on_last_chunk and not opt._skip_next_step and opt._logical_batch_open:
+                    nn.functional.cross_entropy(model(x), y).backward()
+                    break
+                _step_on(model, opt, x, y)
+                if opt._logical_batch_open and not leave_on_last_chunk:
+                    break
+        assert not opt.engine.summed and not opt._logical_batch_open
+        opt.zero_grad()
+        with fastdp.BatchMemoryManager(data_loader=loader, max_physical_batch_size=2, optimizer=opt) as chunks:
+            with pytest.raises(RuntimeError, match="2 Poisson batches"):  # the left batch was taken
+                for x, y in chunks:
+                    _step_on(model, opt, x, y)
+        opt.zero_grad()
+        position, seen = loader.batches_consumed, []
+        with fastdp.BatchMemoryManager(data_loader=loader, max_physical_batch_size=2, optimizer=opt) as chunks:
+            for x, y in chunks:
+                seen.append(len(x))
+                _step_on(model, opt, x, y)
+                if not opt._logical_batch_open:
+                    break
+        assert sum(seen) == len(loader.batch_sampler.batch(position))  # exactly the next batch, on its own
+    assert opt.steps == opt.accountant.steps == 5
 
 
 def test_batches_fetched_ahead_or_skipped_are_refused():
@@ -230,35 +240,55 @@ def test_full_batch_steps_on_one_tensor_without_a_loader_are_allowed():
     assert opt.steps == 3
 
 
-def test_an_empty_batch_skipped_by_leaving_the_loop_is_refused():
-    """A loop left (break) on an empty batch and continued in a new loop skipped that batch for
-    being empty, unrefused: left batches were exempt from the count (review). Leaving a
-    non-empty batch unused (a loop stopped after some steps) is still allowed."""
+@pytest.mark.parametrize("empty", [True, False])
+def test_a_batch_left_unused_by_break_is_refused_whatever_it_holds(empty):
+    """Batches left with break and no step were exempt: a loop could skip batches by content
+    (an empty one, or one holding some example), or keep one and add it to the next batch's
+    step, by leaving and starting a new loop (review). Every batch taken now counts."""
     model, opt, loader = _private(n=40, batch_size=4)
     sampler = loader.batch_sampler
-    empty = next(n for n in range(10_000) if not sampler.batch(n))
-    loader.load_state_dict(dict(loader.state_dict(), position=empty - 1))
-    for x, y in loader:  # batch empty - 1: stepped
+    target = next(n for n in range(1, 10_000) if (len(sampler.batch(n)) == 0) == empty)
+    loader.load_state_dict(dict(loader.state_dict(), position=target - 1))
+    for x, y in loader:  # batch target - 1: stepped
         _step_on(model, opt, x, y)
         break
-    for x, y in loader:  # the empty batch: left without a step
-        assert len(x) == 0
+    for x, y in loader:  # batch target: left without a step
+        held = x, y
         break
     for x, y in loader:
-        nn.functional.cross_entropy(model(x), y).backward()
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(torch.cat([held[0], x])), torch.cat([held[1], y])).backward()
         with pytest.raises(RuntimeError, match="2 Poisson batches"):
             opt.step()
         break
-    nonempty = next(n for n in range(empty + 2, 10_000) if sampler.batch(n))
-    model, opt, loader = _private(n=40, batch_size=4)
-    loader.load_state_dict(dict(loader.state_dict(), position=nonempty - 1))
-    for x, y in loader:  # the non-empty batch: left unused
-        assert len(x) > 0
-        break
-    for x, y in loader:
-        _step_on(model, opt, x, y)
-        break
-    assert opt.steps == 1
+    assert opt.steps == opt.accountant.steps == 1
+
+
+def test_a_step_refused_by_another_check_can_be_retried_once_fixed():
+    """The loader's count closed the step before the trainable-parameter check refused it: the
+    retry, once fixed, was refused as a reuse of a released batch, though nothing was released
+    (review)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    model[2].bias.requires_grad_(False)
+    loader = DataLoader(TensorDataset(torch.randn(40, 3), torch.randint(0, 2, (40,))), batch_size=4)
+    model, opt, loader = fastdp.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                             data_loader=loader, max_grad_norm=1.0, noise_multiplier=1.0)
+    x, y = next(iter(loader))
+    nn.functional.cross_entropy(model(x), y).backward()
+    model[2].bias.requires_grad_(True)
+    with pytest.raises(fastdp.UnsupportedModuleError, match="trains in the optimizer"):
+        opt.step()
+    model[2].bias.requires_grad_(False)
+    opt.step()
+    assert opt.steps == opt.accountant.steps == 1
+
+
+def test_attach_loader_refuses_a_loader_that_counts_no_batches():
+    model, opt, _ = _private()
+    plain = DataLoader(TensorDataset(torch.randn(40, 3)), batch_sampler=fastdp.PoissonBatchSampler(40, 0.1, seed=0))
+    with pytest.raises(TypeError, match="poisson_loader"):
+        opt.attach_loader(plain)
 
 
 def test_an_optimizer_rebuilt_mid_epoch_continues_the_loader_s_count():
