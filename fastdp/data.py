@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from collections import deque
 from collections.abc import Mapping
 from typing import Any, Callable, Deque, Dict, Iterator, List, Optional
@@ -146,6 +147,18 @@ def _empty_like(batch: Any) -> Any:
         "them (or per-example strings)")
 
 
+def _tensors_in(batch: Any) -> Iterator[torch.Tensor]:
+    """The tensors of a collated batch (in tuples, lists and mappings, at any depth)."""
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, Mapping):
+        for v in batch.values():
+            yield from _tensors_in(v)
+    elif isinstance(batch, (list, tuple)):
+        for v in batch:
+            yield from _tensors_in(v)
+
+
 class EmptySafeCollate:
     """Wraps a collate function so an empty batch collates to zero-length tensors shaped
     like a real batch (taken from the dataset's first example)."""
@@ -166,7 +179,9 @@ class BatchLedger:
     optimizer's one-batch-per-step check. Batches are numbered from 1 in the order the loop
     receives them: ``taken`` is the last one's number, ``stepped_at`` what it was at the last
     step. Every batch taken counts, used or not: a batch left unused (a loop left with
-    ``break``, then resumed) is indistinguishable from one skipped for its content."""
+    ``break``, then resumed) is indistinguishable from one skipped for its content. The
+    tensors of each batch handed out are remembered (weakly) with its number, so a backward
+    pass whose layers see one of them is attributed to that batch, however old."""
 
     def __init__(self, taken: int = 0):
         self.restart(taken)
@@ -175,16 +190,35 @@ class BatchLedger:
         """Start counting at ``taken`` with no step open (a new run, or a resumed position)."""
         self.taken = self.stepped_at = taken
         self.closed_once = False  # a step (or a refused one) has closed the count since
+        self.handed: Dict[int, tuple] = {}  # id -> (weak reference, batch number)
 
-    def take(self) -> None:
+    def take(self, batch: Any) -> None:
+        """A new batch is handed out (``batch``: what the loop receives, or its first chunk)."""
         self.taken += 1
+        self.handed = {key: entry for key, entry in self.handed.items() if entry[0]() is not None}
+        self.hand_out(batch)
+
+    def hand_out(self, batch: Any) -> None:
+        """Remember the tensors of ``batch`` (or of a chunk of it) as batch ``taken``'s."""
+        for t in _tensors_in(batch):
+            self.handed[id(t)] = (weakref.ref(t), self.taken)
+
+    def batches_of(self, tensors: Dict[int, weakref.ref]) -> set:
+        """The batches a backward pass came from: those of the handed-out tensors among
+        ``tensors`` (id -> weak reference: the inputs its layers saw), else the last one taken
+        (data transformed on its way to the first layer cannot be traced)."""
+        found = set()
+        for key, ref in tensors.items():
+            entry = self.handed.get(key)
+            if entry is not None and entry[0]() is not None and entry[0]() is ref():
+                found.add(entry[1])
+        return found or {self.taken}
 
     def close_step(self, pass_batches: set) -> None:
-        """Check, at a step, that it took exactly one new batch: ``pass_batches`` are the values
-        of ``taken`` at its backward passes (or an earlier step's batches, for a pass that saw
-        its inputs again). Refused: a pass on a batch an earlier step released, several batches
-        handed out since the last step, or passes during several. Either way the next step
-        starts from here."""
+        """Check, at a step, that it took exactly one new batch: ``pass_batches`` are the
+        batches its backward passes came from (:meth:`batches_of`). Refused: a pass on a batch
+        an earlier step released, several batches handed out since the last step, or passes on
+        several. Either way the next step starts from here."""
         drawn = self.taken - self.stepped_at
         reused = any(n <= self.stepped_at for n in pass_batches)
         self.stepped_at, self.closed_once = self.taken, True
@@ -192,7 +226,7 @@ class BatchLedger:
             raise RuntimeError(
                 "this step's backward pass used the batch an earlier step already released (its samples would "
                 "count twice, accounted once): it ran after the last step (or a refused one) before the data "
-                "loader handed out a new batch, or it saw an earlier step's input tensor again; or it used data "
+                "loader handed out a new batch, or it saw a tensor of an earlier step's batch; or it used data "
                 "from outside the loader, which the accountant does not cover. Take the next batch from the "
                 "loader before backward() and train on it; call zero_grad() to drop a backward pass made for "
                 "another purpose")
@@ -225,7 +259,7 @@ class PoissonDataLoader(DataLoader):
     def __iter__(self):
         self.batch_sampler.position = self.ledger.taken
         for batch in super().__iter__():
-            self.ledger.take()
+            self.ledger.take(batch)
             yield batch
 
     def state_dict(self, include_secrets: bool = False) -> Dict[str, Any]:
@@ -346,8 +380,10 @@ class BatchMemoryManager:
         last, finished = True, False
         try:
             for chunk in self._chunks:
-                if last and poisson:  # the first chunk of a batch: the batch is taken
-                    source.ledger.take()
+                if poisson and last:  # the first chunk of a batch: the batch is taken
+                    source.ledger.take(chunk)
+                elif poisson:
+                    source.ledger.hand_out(chunk)
                 last = self._ends.popleft()
                 self.optimizer.signal_skip_step(not last)
                 yield chunk

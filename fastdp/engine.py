@@ -80,11 +80,12 @@ class GradSampleEngine:
         # (weak reference, version), to tell the same samples backpropagated twice
         self._pass_inputs: Dict[int, tuple] = {}
         self._step_inputs: Dict[int, tuple] = {}
-        # the last step's layer inputs and the batches its passes came from (see _check_new_samples)
-        self._stepped: tuple = ({}, set())
+        # the layer inputs of this backward pass and the tensors they are views of, by id: weak
+        # references, to find the data batch the pass came from (DPOptimizer.attach_loader)
+        self._pass_sources: Dict[int, weakref.ref] = {}
         self._owned_grads: Dict[torch.Tensor, tuple] = {}
-        # which data batch each backward pass since the last step came from (DPOptimizer.attach_loader)
-        self.batch_of_pass: Optional[Callable[[], object]] = None
+        # which data batches each backward pass since the last step came from, given its sources
+        self.batch_of_pass: Optional[Callable[[Dict[int, weakref.ref]], set]] = None
         self.pass_batches: set = set()
         self._patched: List[nn.Module] = []
         self.adopt_current_grads()
@@ -149,7 +150,12 @@ class GradSampleEngine:
     def _record(self, rec: Record) -> None:
         x = rec.activation[0] if isinstance(rec.activation, tuple) else rec.activation
         if isinstance(x, torch.Tensor):
-            self._pass_inputs[id(x)] = (weakref.ref(x), x._version)
+            ref = weakref.ref(x)
+            self._pass_inputs[id(x)] = (ref, x._version)
+            if self.batch_of_pass is not None:
+                self._pass_sources[id(x)] = ref
+                if x._base is not None:  # a view of the batch (nn.Flatten, x.view(B, -1))
+                    self._pass_sources[id(x._base)] = weakref.ref(x._base)
         rec.rule.prepare(rec)
         self._pending.append(rec)
         if not self._callback_queued:
@@ -160,6 +166,7 @@ class GradSampleEngine:
     def _finish_backward(self) -> None:
         records, self._pending, self._callback_queued = self._pending, [], False
         inputs, self._pass_inputs = self._pass_inputs, {}
+        sources, self._pass_sources = self._pass_sources, {}
         self._check_new_samples(inputs)
         if torch._C._current_autograd_node() is not None:
             # A backward pass run from inside another one's node (reentrant checkpointing): its
@@ -220,25 +227,22 @@ class GradSampleEngine:
             self._accumulate(p, weighted_sum(coef_of(p), grads))
         self.samples_seen += batch
         if self.batch_of_pass is not None:
-            self.pass_batches.add(self.batch_of_pass())
+            self.pass_batches.update(self.batch_of_pass(sources))
 
     def _check_new_samples(self, inputs: Dict[int, tuple]) -> None:
         """Each backward pass before a step adds its samples' clipped sums, so it must see new
         samples: a layer input (same tensor, unchanged) already seen in an earlier pass since the
-        last step means the same samples twice, with noise for once. Under a data loader's
-        one-batch check (``batch_of_pass`` set), a pass that sees the last step's inputs again
-        is tagged with that step's batches, so the ledger refuses the step as a reuse."""
-        if _any_seen_before(inputs, self._step_inputs):
+        last step means the same samples twice, with noise for once."""
+        seen = self._step_inputs
+        if any(key in seen and ref() is not None and seen[key][0]() is ref() and seen[key][1] == version
+               for key, (ref, version) in inputs.items()):
             raise UnsupportedModuleError(
                 "the same samples were backpropagated twice before step() (a layer saw the same "
                 "input tensor in two backward() calls): fastdp clips each backward call's samples "
                 "on their own, so they would count twice while the noise is scaled for once; add "
                 "the losses and call backward() once"
             )
-        self._step_inputs.update(inputs)
-        stepped_inputs, stepped_batches = self._stepped
-        if self.batch_of_pass is not None and _any_seen_before(inputs, stepped_inputs):
-            self.pass_batches.update(stepped_batches)
+        seen.update(inputs)
 
     def _coefficients(self, params: List[torch.Tensor], norms: List[torch.Tensor], scale: float,
                       total_sq: Optional[torch.Tensor], bad: Optional[torch.Tensor]):
@@ -347,9 +351,7 @@ class GradSampleEngine:
         sums = [self.summed.pop(p, None) for p in self.params]
         sums = [torch.zeros_like(p, dtype=compute_dtype(p.dtype)) if s is None else s
                 for p, s in zip(self.params, sums)]
-        stepped = (self._step_inputs, self.pass_batches)
         self.clear()
-        self._stepped = stepped
         return sums
 
     def clear(self) -> None:
@@ -358,13 +360,6 @@ class GradSampleEngine:
         self.samples_seen = 0
         self._step_inputs = {}
         self.pass_batches = set()
-
-
-def _any_seen_before(inputs: Dict[int, tuple], seen: Dict[int, tuple]) -> bool:
-    """Whether a tensor of ``inputs`` (id -> (weak reference, version)) is in ``seen``, alive
-    and unchanged since."""
-    return any(key in seen and ref() is not None and seen[key][0]() is ref() and seen[key][1] == version
-               for key, (ref, version) in inputs.items())
 
 
 def _stale_forward(module: nn.Module) -> bool:

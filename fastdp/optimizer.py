@@ -195,7 +195,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if not ledger.closed_once:
             ledger.restart(ledger.taken)
         self.loader = loader
-        self.engine.batch_of_pass = lambda: ledger.taken
+        self.engine.batch_of_pass = ledger.batches_of
 
     def _check_one_batch_per_step(self) -> None:
         if self.loader is not None:

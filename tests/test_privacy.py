@@ -209,23 +209,33 @@ def test_a_second_step_on_a_batch_already_stepped_is_refused():
     assert opt.steps == 3
 
 
-def test_a_stepped_batch_trained_on_again_after_drawing_another_is_refused():
-    """The ledger counts batches, not samples: drawing the next batch, leaving it unused and
-    backpropagating the stepped batch's tensor again went through (review); the engine now
-    knows the last step's inputs and tags such a pass with that step's batch."""
-    model, opt, loader = _private()
+@pytest.mark.parametrize("flatten", [False, True])
+@pytest.mark.parametrize("lag", [1, 2])
+def test_a_stepped_batch_trained_on_again_after_drawing_another_is_refused(lag, flatten):
+    """The ledger counted batches, not samples: drawing the next batch and backpropagating a
+    stepped batch's tensor again went through (review), and a check on the last step's layer
+    inputs missed older batches and models whose first layer sees a view (nn.Flatten: review).
+    The loader now remembers which batch each tensor it handed out belongs to."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3, 2)) if flatten else nn.Linear(3, 2)
+    inputs = torch.randn(40, 1, 3) if flatten else torch.randn(40, 3)
+    loader = DataLoader(TensorDataset(inputs, torch.randint(0, 2, (40,))), batch_size=4)
+    model, opt, loader = fastdp.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                             data_loader=loader, max_grad_norm=1.0, noise_multiplier=1.0)
     batches = iter(loader)
     x, y = next(batches)
     _step_on(model, opt, x, y)
+    for _ in range(lag - 1):
+        _step_on(model, opt, *next(batches))
     next(batches)  # drawn, then discarded
     opt.zero_grad()
     nn.functional.cross_entropy(model(x), y).backward()
     with pytest.raises(RuntimeError, match="used the batch an earlier step already released"):
         opt.step()
-    assert opt.steps == opt.accountant.steps == 1
+    assert opt.steps == opt.accountant.steps == lag
     opt.zero_grad()
     _step_on(model, opt, *next(batches))  # the loop goes on with a new batch
-    assert opt.steps == opt.accountant.steps == 2
+    assert opt.steps == opt.accountant.steps == lag + 1
 
 
 def test_full_batch_steps_on_one_tensor_without_a_loader_are_allowed():
