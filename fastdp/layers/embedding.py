@@ -7,7 +7,6 @@ by summing g over equal (sample, token) pairs. ``padding_idx`` positions get no 
 from __future__ import annotations
 
 import math
-
 from typing import Dict, Iterable
 
 import torch
