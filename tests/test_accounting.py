@@ -85,6 +85,9 @@ def test_state_dict_round_trip(name):
     other = make_accountant("rdp" if name == "pld" else "pld")
     with pytest.raises(ValueError, match="state belongs to"):
         other.load_state_dict(state)
+    with pytest.raises(ValueError, match="no 'history' list"):  # was a TypeError (review)
+        fresh.load_state_dict({"accountant": name, "history": None})
+    assert fresh.history == acc.history
 
 
 def test_state_dict_keeps_settings():
@@ -127,6 +130,17 @@ def test_bad_delta_rejected(name, delta):
     acc = make_accountant(name).step(noise_multiplier=1.0, sample_rate=0.01)
     with pytest.raises(ValueError, match="delta must"):
         acc.epsilon(delta)
+
+
+@pytest.mark.parametrize("name", ACCOUNTANTS)
+@pytest.mark.parametrize("q", [1.0, 0.01])
+def test_subnormal_delta_rejected(name, q):
+    """Below the smallest normal float the q = 1 exact epsilon came out too low (38.18 for an
+    exact 38.87 at delta = 5e-324) and q < 1 failed with a math domain error (review)."""
+    acc = make_accountant(name).step(noise_multiplier=1.0, sample_rate=q)
+    with pytest.raises(ValueError, match="subnormal"):
+        acc.epsilon(1e-315)
+    assert math.isfinite(acc.epsilon(1e-300))
 
 
 @pytest.mark.parametrize(
@@ -212,6 +226,9 @@ def test_extreme_parameters_do_not_crash():
     with pytest.warns(OrderGridWarning):
         assert math.isfinite(accounting.epsilon(0.2, 0.5, 1000, 1e-5, accountant="rdp"))
     assert accounting.epsilon(1.0, 1e-10, 100, 1e-5, accountant="rdp") == 0.0
+    # round-off gave negative per-step RDP, refused as invalid input (review)
+    assert accounting.epsilon(1e7, 0.01, 1000, 1e-5, accountant="rdp") == 0.0
+    assert accounting.epsilon(1.0, 1e-16, 100, 1e-5, accountant="rdp") == 0.0
     assert accounting.epsilon(1.0, 1 - 1e-12, 10, 1e-5) == pytest.approx(
         gaussian_epsilon(math.sqrt(10), 1e-5), rel=1e-6
     )

@@ -14,6 +14,7 @@ Conventions shared by every accountant in :mod:`fastdp.accounting`:
 from __future__ import annotations
 
 import math
+import sys
 from typing import Callable, Dict, Iterable, List, Tuple, Type
 
 HistoryEntry = Tuple[float, float, int]
@@ -58,13 +59,18 @@ def check_steps(steps: int) -> int:
 
 
 def check_delta(delta: float) -> float:
-    """Return delta as float; delta must satisfy 0 < delta < 1."""
+    """Return delta as float; delta must satisfy 0 < delta < 1 and be a normal float (a
+    subnormal delta, below 2.2e-308, leaves the Gaussian tails the accountants evaluate
+    without precision: the exact q = 1 epsilon came out too low)."""
     try:
         value = float(delta)
     except (TypeError, ValueError):
         raise ValueError(f"delta must be a number with 0 < delta < 1, got {delta!r}") from None
     if not 0.0 < value < 1.0:  # also rejects NaN
         raise ValueError(f"delta must satisfy 0 < delta < 1, got {delta!r}")
+    if value < sys.float_info.min:
+        raise ValueError(f"delta={delta!r} is below {sys.float_info.min:.3g} (a subnormal float), where epsilon "
+                         "cannot be computed accurately; use a larger delta")
     return value
 
 
@@ -169,8 +175,8 @@ class Accountant:
         kind = state.pop("accountant", self.name)
         if kind != self.name:
             raise ValueError(f"state belongs to a {kind!r} accountant, this one is {self.name!r}")
-        if "history" not in state:
-            raise ValueError("state has no 'history' entry")
+        if not isinstance(state.get("history"), (list, tuple)):
+            raise ValueError(f"state has no 'history' list, got {state.get('history')!r}")
         history = merge_history(tuple(entry) for entry in state.pop("history"))
         self._load_config(state)
         self._history = history

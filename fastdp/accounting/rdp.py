@@ -135,9 +135,11 @@ def log_a(q: float, sigma: float, alpha: float) -> float:
         return math.inf
     if q == 1.0:  # plain Gaussian: D_alpha(N(1,s^2) || N(0,s^2)) = alpha / (2 s^2)
         return (alpha - 1.0) * alpha / (2.0 * sigma**2)
+    # A_alpha >= 1 (Jensen): a log below 0 is round-off (sigma ~1e6 or q ~1e-16), which the
+    # epsilon conversion would refuse as a negative RDP value
     if float(alpha).is_integer():
-        return _log_a_integer(q, sigma, int(alpha))
-    return _log_a_fractional(q, sigma, float(alpha))
+        return max(0.0, _log_a_integer(q, sigma, int(alpha)))
+    return max(0.0, _log_a_fractional(q, sigma, float(alpha)))
 
 
 def _check_orders(orders: Iterable[float]) -> np.ndarray:
