@@ -199,9 +199,12 @@ class BatchLedger:
         self.hand_out(batch)
 
     def hand_out(self, batch: Any) -> None:
-        """Remember the tensors of ``batch`` (or of a chunk of it) as batch ``taken``'s."""
+        """Remember the tensors of ``batch`` (or of a chunk of it), and those they are views of,
+        as batch ``taken``'s (a layer input that is a view has the root tensor as ``_base``)."""
         for t in _tensors_in(batch):
-            self.handed[id(t)] = (weakref.ref(t), self.taken)
+            for u in (t, t._base):
+                if u is not None:
+                    self.handed[id(u)] = (weakref.ref(u), self.taken)
 
     def batches_of(self, tensors: Dict[int, weakref.ref]) -> set:
         """The batches a backward pass came from: those of the handed-out tensors among

@@ -75,7 +75,7 @@ class GradSampleEngine:
         self.samples_seen = 0  # samples clipped since the last take_sums()
         self.skipped_samples = 0
         self._pending: List[Record] = []
-        self._callback_queued = False
+        self._queued_task: Optional[int] = None  # the autograd graph task whose end runs _finish_backward
         # layer inputs of this backward pass / of the earlier ones since the last step, by id:
         # (weak reference, version), to tell the same samples backpropagated twice
         self._pass_inputs: Dict[int, tuple] = {}
@@ -145,9 +145,12 @@ class GradSampleEngine:
         for module in self._patched:
             module.__dict__.pop("forward", None)
         self._patched = []
-        self._pending = []
+        self._drop_pass()
 
     def _record(self, rec: Record) -> None:
+        task = torch._C._current_graph_task_id()
+        if task != self._queued_task:  # the first record of this backward pass
+            self._start_pass(task)
         x = rec.activation[0] if isinstance(rec.activation, tuple) else rec.activation
         if isinstance(x, torch.Tensor):
             ref = weakref.ref(x)
@@ -158,13 +161,21 @@ class GradSampleEngine:
                     self._pass_sources[id(x._base)] = weakref.ref(x._base)
         rec.rule.prepare(rec)
         self._pending.append(rec)
-        if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _start_pass(self, task: int) -> None:
+        """Queue the end-of-pass callback in backward pass ``task``. What an earlier pass left is
+        dropped: it raised before its end, autograd dropped its callback, and nothing of it was
+        clipped or counted (with a flag instead, no later pass queued a callback again)."""
+        self._drop_pass()
+        self._queued_task = task
+        torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _drop_pass(self) -> None:
+        self._pending, self._pass_inputs, self._pass_sources, self._queued_task = [], {}, {}, None
 
     # -- after each backward pass ---------------------------------------------------------
     def _finish_backward(self) -> None:
-        records, self._pending, self._callback_queued = self._pending, [], False
+        records, self._pending, self._queued_task = self._pending, [], None
         inputs, self._pass_inputs = self._pass_inputs, {}
         sources, self._pass_sources = self._pass_sources, {}
         self._check_new_samples(inputs)
@@ -355,7 +366,9 @@ class GradSampleEngine:
         return sums
 
     def clear(self) -> None:
-        """Drop the clipped sums and what the passes since the last step saw."""
+        """Drop the clipped sums and what the passes since the last step saw (and what a pass
+        that raised before its end left)."""
+        self._drop_pass()
         self.summed.clear()
         self.samples_seen = 0
         self._step_inputs = {}

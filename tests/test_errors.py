@@ -121,6 +121,53 @@ def test_reentrant_checkpoint_next_to_the_loss_is_refused(reentrant):
     assert float(moved.norm()) <= 0.1 * (1 + 1e-6)  # one sample: clipped to C as a whole
 
 
+class _FailOnce(torch.autograd.Function):
+    """Identity whose backward raises once (an out-of-memory error, anomaly detection)."""
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        if _FailOnce.armed:
+            _FailOnce.armed = False
+            raise RuntimeError("simulated failure in backward")
+        return g
+
+
+class _TwoLayers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.b(_FailOnce.apply(self.a(x)))
+
+
+def test_a_backward_pass_that_raised_leaves_no_trace():
+    """A backward pass that raised midway left the engine's end-of-pass callback marked as
+    queued: no later pass was clipped or counted and every step released noise only, with
+    records piling up (review). The next pass starts afresh; the failed one's records are
+    dropped."""
+    torch.manual_seed(0)
+    model, x = _TwoLayers(), torch.randn(4, 3)
+    opt = make(model, noise_multiplier=0.0, loss_reduction="sum")
+    _FailOnce.armed = True
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        model(x).square().sum().backward()
+    opt.zero_grad()
+    model(x).square().sum().backward()
+    assert opt.engine.samples_seen == 4 and not opt.engine._pending
+    got = opt.engine.take_sums()
+    opt.detach()
+    fresh = make(model, noise_multiplier=0.0, loss_reduction="sum")
+    model(x).square().sum().backward()
+    for g, w in zip(got, fresh.engine.take_sums()):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
 def test_trainable_parameters_outside_the_optimizer_are_named():
     """Their .grad silently stayed None (no hooked layer computes it)."""
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))

@@ -238,6 +238,33 @@ def test_a_stepped_batch_trained_on_again_after_drawing_another_is_refused(lag, 
     assert opt.steps == opt.accountant.steps == lag + 1
 
 
+def test_a_stepped_batch_whose_tensors_are_views_is_traced_through_flatten():
+    """A collate returning views of one stacked tensor (features and label columns): through
+    nn.Flatten the layer saw a view whose base is the stacked tensor, which the loader had not
+    remembered, so a stepped batch fed again went through (review)."""
+    def columns(samples):
+        rows = torch.stack([torch.cat([x, y.float().view(1)]) for x, y in samples])
+        return rows[:, :3].unflatten(1, (1, 3)), rows[:, 3].long()
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3, 2))
+    data = TensorDataset(torch.randn(40, 3), torch.randint(0, 2, (40,)))
+    model, opt, loader = fastdp.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(data, batch_size=4, collate_fn=columns), max_grad_norm=1.0, noise_multiplier=1.0)
+    batches = iter(loader)
+    x, y = next(batches)
+    while len(x) == 0:
+        _step_on(model, opt, x, y)
+        x, y = next(batches)
+    _step_on(model, opt, x, y)
+    next(batches)
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(RuntimeError, match="used the batch an earlier step already released"):
+        opt.step()
+
+
 def test_full_batch_steps_on_one_tensor_without_a_loader_are_allowed():
     """Without a loader's check the same tensor may be every step's batch (full-batch DP-GD)."""
     torch.manual_seed(0)
