@@ -80,9 +80,9 @@ class GradSampleEngine:
         # (weak reference, version), to tell the same samples backpropagated twice
         self._pass_inputs: Dict[int, tuple] = {}
         self._step_inputs: Dict[int, tuple] = {}
-        # the layer inputs of this backward pass and the tensors they are views of, by id: weak
-        # references, to find the data batch the pass came from (DPOptimizer.attach_loader)
-        self._pass_sources: Dict[int, weakref.ref] = {}
+        # the tensors this backward pass's layer inputs are views of, by id (weak references): with
+        # the inputs themselves, what finds the data batch the pass came from (attach_loader)
+        self._pass_bases: Dict[int, weakref.ref] = {}
         self._owned_grads: Dict[torch.Tensor, tuple] = {}
         # which data batches each backward pass since the last step came from, given its sources
         self.batch_of_pass: Optional[Callable[[Dict[int, weakref.ref]], set]] = None
@@ -153,12 +153,9 @@ class GradSampleEngine:
             self._start_pass(task)
         x = rec.activation[0] if isinstance(rec.activation, tuple) else rec.activation
         if isinstance(x, torch.Tensor):
-            ref = weakref.ref(x)
-            self._pass_inputs[id(x)] = (ref, x._version)
-            if self.batch_of_pass is not None:
-                self._pass_sources[id(x)] = ref
-                if x._base is not None:  # a view of the batch (nn.Flatten, x.view(B, -1))
-                    self._pass_sources[id(x._base)] = weakref.ref(x._base)
+            self._pass_inputs[id(x)] = (weakref.ref(x), x._version)
+            if x._base is not None and self.batch_of_pass is not None:  # a view of the batch (nn.Flatten)
+                self._pass_bases[id(x._base)] = weakref.ref(x._base)
         rec.rule.prepare(rec)
         self._pending.append(rec)
 
@@ -171,13 +168,13 @@ class GradSampleEngine:
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _drop_pass(self) -> None:
-        self._pending, self._pass_inputs, self._pass_sources, self._queued_task = [], {}, {}, None
+        self._pending, self._pass_inputs, self._pass_bases, self._queued_task = [], {}, {}, None
 
     # -- after each backward pass ---------------------------------------------------------
     def _finish_backward(self) -> None:
         records, self._pending, self._queued_task = self._pending, [], None
         inputs, self._pass_inputs = self._pass_inputs, {}
-        sources, self._pass_sources = self._pass_sources, {}
+        bases, self._pass_bases = self._pass_bases, {}
         self._check_new_samples(inputs)
         if torch._C._current_autograd_node() is not None:
             # A backward pass run from inside another one's node (reentrant checkpointing): its
@@ -238,7 +235,7 @@ class GradSampleEngine:
             self._accumulate(p, weighted_sum(coef_of(p), grads))
         self.samples_seen += batch
         if self.batch_of_pass is not None:
-            self.pass_batches.update(self.batch_of_pass(sources))
+            self.pass_batches.update(self.batch_of_pass({**{key: ref for key, (ref, _) in inputs.items()}, **bases}))
 
     def _check_new_samples(self, inputs: Dict[int, tuple]) -> None:
         """Each backward pass before a step adds its samples' clipped sums, so it must see new

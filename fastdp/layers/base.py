@@ -176,6 +176,15 @@ class LayerRule:
         return {n: weighted_sum(coefs[n], g) for n, g in grads.items()}
 
 
+def check_batched(module: nn.Module, x: torch.Tensor, spatial: int) -> None:
+    """Refuse an input of ``module`` that is not (B, C, *S) with ``spatial`` dims S: unbatched,
+    its channels would be taken for samples."""
+    if x.dim() != spatial + 2:
+        raise UnsupportedModuleError(
+            f"{type(module).__name__} got an input of shape {tuple(x.shape)}: fastdp needs a batched input "
+            f"(B, C, {', '.join('S' * spatial)}); add the batch dimension with x.unsqueeze(0)")
+
+
 def sq_norms_of(per_sample: torch.Tensor) -> torch.Tensor:
     """Squared L2 norm of each sample's slice of ``per_sample`` (B, ...), as float64 (B,)."""
     return ops.sample_sq_norms(per_sample)

@@ -33,8 +33,8 @@ from torch import nn
 
 from fastdp import ops
 from fastdp.layers import register
-from fastdp.layers.base import (LayerRule, Record, Tap, UnsupportedModuleError, as_dtype, batch_chunks,
-                                expand_like, sq_norms_of, weighted_sum)
+from fastdp.layers.base import (LayerRule, Record, Tap, as_dtype, batch_chunks, check_batched, expand_like,
+                                sq_norms_of, weighted_sum)
 from fastdp.layers.linear import route_costs
 
 _CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -225,11 +225,7 @@ class ConvRule(LayerRule):
 
     def forward(self, module, tap: Tap, x: torch.Tensor) -> torch.Tensor:
         nd = len(module.kernel_size)
-        if x.dim() != nd + 2:
-            raise UnsupportedModuleError(
-                f"{type(module).__name__} got an input of shape {tuple(x.shape)}: fastdp needs a "
-                f"batched input (B, C, {', '.join('S' * nd)}); add the batch dimension with x.unsqueeze(0)"
-            )
+        check_batched(module, x, nd)
         padding = module.padding
         if module.padding_mode != "zeros":
             x = F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode)

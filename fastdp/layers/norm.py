@@ -22,7 +22,7 @@ from torch import nn
 
 from fastdp import ops
 from fastdp.layers import register
-from fastdp.layers.base import LayerRule, Record, Tap, UnsupportedModuleError
+from fastdp.layers.base import LayerRule, Record, Tap, UnsupportedModuleError, check_batched
 
 
 def _param_view(param: torch.Tensor, x: torch.Tensor, channel_dim: bool) -> torch.Tensor:
@@ -213,10 +213,7 @@ class InstanceNormRule(_AffineNormRule):
     def forward(self, module, tap: Tap, x: torch.Tensor) -> torch.Tensor:
         spatial = next(n for kind, n in ((nn.InstanceNorm3d, 3), (nn.InstanceNorm2d, 2), (nn.InstanceNorm1d, 1))
                        if isinstance(module, kind))
-        if x.dim() != spatial + 2:  # unbatched (C, *S) would normalise each channel as a "sample"
-            raise UnsupportedModuleError(
-                f"{type(module).__name__} got an input of shape {tuple(x.shape)}: fastdp needs a batched input "
-                f"(B, C, {', '.join('S' * spatial)}); add the batch dimension with x.unsqueeze(0)")
+        check_batched(module, x, spatial)
         return super().forward(module, tap, x)
 
     def normalize(self, module, x):
