@@ -3,7 +3,7 @@
 // Both routes share one register-blocked micro-kernel: MR rows, each one 64-byte vector of
 // W lanes (16 floats / 8 doubles) wide, accumulated over a reduction axis of length n from a
 // panel of n vectors and one broadcast scalar per row and step. Products are summed in the
-// input dtype within a 64 x 64 tile and tiles are summed in float64.
+// input dtype within a 64 x 64 tile; tile entries are squared and summed in float64.
 #include "linear_norms.h"
 
 #include <algorithm>
@@ -283,7 +283,7 @@ FASTDP_MULTIVERSION double ghost_tile_isa(const double* a, int64_t sat, int64_t 
 }
 
 // Direct work item: the (j0..j1) x (k0..k1) tile of g^T a for one sample, accumulated over T
-// in chunks of TC rows, then square-summed. Vectors of a are read in place when its rows are
+// in chunks of TC rows, then square-summed in float64. Vectors of a are read in place when its rows are
 // contiguous and the block is whole, else packed into pa (2 x TC x W, zero past k1); scalars of g
 // are read in place, row j from g_rows[j - j0] at steps of sgt (rows need not be evenly
 // spaced); rows past j1 repeat row j1 - 1 and are left out of the sum.
@@ -327,13 +327,20 @@ __attribute__((always_inline)) inline double direct_tile(const F* a, int64_t sat
       }
     }
   }
-  Vec<F> sum = {};
+  // Squared in float64: a float32 square overflows past 1.8e19 (a finite sample's norm would
+  // be infinite, and the sample dropped instead of clipped).
+  constexpr int WD = kLanes<double>;
+  Vec<double> sum = {};
   for (int64_t j = 0; j < j1 - j0; ++j)
     for (int64_t c = 0; c < col_blocks; ++c) {
-      const Vec<F>& v = tile[((j / MR) * col_blocks + c) * MR + j % MR];
-      sum += v * v;
+      const F* v = reinterpret_cast<const F*>(&tile[((j / MR) * col_blocks + c) * MR + j % MR]);
+      for (int h = 0; h < W; h += WD) {
+        Vec<double> wide;
+        load_as<double>(v + h, wide);
+        sum += wide * wide;
+      }
     }
-  return lane_sum<F>(sum);
+  return lane_sum<double>(sum);
 }
 
 FASTDP_MULTIVERSION double direct_tile_isa(const float* a, int64_t sat, int64_t sad, const float* const* g_rows,

@@ -17,8 +17,17 @@ from fastdp.privacy import make_private
 from fastdp.validate import find_problems, fix, validate
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """``fastdp.accounting`` is imported on first use (it loads SciPy, about 0.8 s)."""
+    if name == "accounting":
+        import importlib
+        return importlib.import_module("fastdp.accounting")
+    raise AttributeError(f"module 'fastdp' has no attribute {name!r}")
+
 __all__ = [
-    "BatchMemoryManager", "DistributedDPOptimizer", "PoissonBatchSampler", "checkpoint",
+    "BatchMemoryManager", "DistributedDPOptimizer", "PoissonBatchSampler", "accounting", "checkpoint",
     "distributed_poisson_loader", "poisson_loader",
     "DPOptimizer", "GradSampleEngine", "NonFiniteGradientError", "UnsupportedModuleError",
     "find_problems", "fix", "keep_freed_memory", "make_private", "validate",

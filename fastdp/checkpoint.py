@@ -8,6 +8,10 @@ position::
     ...  # later, with freshly built objects of the same shapes:
     fastdp.checkpoint.load("run.pt", model=model, optimizer=opt, data_loader=loader)
 
+``data_loader`` defaults to the loader the optimizer steps on (``make_private``'s), so the
+loader's position is never left behind: a loader resumed at its first batch with the run's
+seed would repeat the run's batches while the accountant counted them as fresh.
+
 The noise key and the sampler's seed are secret: with them anyone holding the file can
 regenerate every step's noise and batches, and subtract the noise. They are left out
 unless ``include_secrets=True``, so a checkpoint can be shared like the model. Training
@@ -42,6 +46,7 @@ def state_dict(*, model: nn.Module, optimizer, data_loader=None, include_secrets
     if optimizer.engine.summed:
         raise RuntimeError("clipped gradients are pending (backward() ran since the last step()): "
                            "checkpoint after optimizer.step() or zero_grad()")
+    data_loader = data_loader if data_loader is not None else optimizer.loader
     return {
         "format": FORMAT,
         "model": model.state_dict(),
@@ -75,6 +80,12 @@ def load_state_dict(state: Dict[str, Any], *, model: nn.Module, optimizer, data_
         optimizer_state = dict(optimizer_state, accountant=state["accountant"])
     if data_loader is not None and state["data_loader"] is None:
         raise ValueError("the checkpoint has no data loader state to restore")
+    if data_loader is None and state["data_loader"] is not None:
+        data_loader = optimizer.loader
+    elif data_loader is None and optimizer.loader is not None:
+        warnings.warn("the checkpoint holds no loader position: the optimizer's loader goes on from where it "
+                      "is, and if it was built with the run's seed it repeats the run's batches (the accountant "
+                      "would count them as fresh); build it with a fresh seed", UserWarning, stacklevel=2)
 
     optimizer.load_state_dict(optimizer_state)  # first: it refuses a history it cannot continue
     model.load_state_dict(state["model"])

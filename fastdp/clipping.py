@@ -18,6 +18,7 @@ from typing import Dict, Mapping, Optional, Sequence, Union
 import torch
 
 from fastdp import ops
+from fastdp.arguments import finite_number
 
 # Added to norms before dividing, so a zero gradient gets coefficient 1, not inf.
 EPS = 1e-6
@@ -27,7 +28,7 @@ class FlatClipping:
     """Clip the whole per-sample gradient (all parameters) to norm C: ``min(1, C/(|g_i| + EPS))``."""
 
     def __init__(self, max_grad_norm: float):
-        self.max_grad_norm = _positive(max_grad_norm, "max_grad_norm")
+        self.max_grad_norm = finite_number(max_grad_norm, "max_grad_norm")
 
     @property
     def sensitivity(self) -> float:
@@ -48,7 +49,7 @@ class AutomaticClipping(FlatClipping):
 
     def __init__(self, max_grad_norm: float, gamma: float = 0.01):
         super().__init__(max_grad_norm)
-        self.gamma = _positive(gamma, "gamma")
+        self.gamma = finite_number(gamma, "gamma")
 
     def coefficient(self, total_sq: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         return ops.clip_factors(total_sq, self.max_grad_norm, scale, self.gamma, False)
@@ -67,15 +68,17 @@ class PerLayerClipping:
     """
 
     def __init__(self, max_grad_norm: Union[float, Sequence[float]], params: Sequence[torch.Tensor]):
-        if isinstance(max_grad_norm, (int, float)):
-            c = _positive(max_grad_norm, "max_grad_norm") / math.sqrt(max(1, len(params)))
-            bounds = [c] * len(params)
-        else:
-            bounds = [_positive(c, "max_grad_norm[i]") for c in max_grad_norm]
+        one_per_parameter = (isinstance(max_grad_norm, Sequence) and not isinstance(max_grad_norm, str)
+                             or getattr(max_grad_norm, "ndim", 0) > 0)
+        if one_per_parameter:
+            bounds = [finite_number(c, f"max_grad_norm[{i}]") for i, c in enumerate(max_grad_norm)]
             if len(bounds) != len(params):
                 raise ValueError(
                     f"per-layer clipping got {len(bounds)} bounds for {len(params)} trainable parameters"
                 )
+        else:
+            c = finite_number(max_grad_norm, "max_grad_norm") / math.sqrt(max(1, len(params)))
+            bounds = [c] * len(params)
         self.bounds = dict(zip(params, bounds))
 
     @property
@@ -95,10 +98,3 @@ def make_clipping(mode: str, max_grad_norm, params, gamma: float = 0.01):
     if mode == "per_layer":
         return PerLayerClipping(max_grad_norm, params)
     raise ValueError(f"clipping={mode!r}: expected 'flat', 'per_layer' or 'automatic'")
-
-
-def _positive(value, name: str) -> float:
-    value = float(value)
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be a positive finite number, got {value}")
-    return value

@@ -23,7 +23,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data._utils.collate import default_collate
 
 from fastdp.secure import os_entropy
@@ -108,20 +108,23 @@ class PoissonBatchSampler(Sampler[List[int]]):
             self.position += 1
             yield self.batch(n)
 
+    def _settings(self) -> Dict[str, Any]:
+        """What a checkpoint must agree on to continue this sampler's batches."""
+        return {"num_samples": self.num_samples, "sample_rate": self.sample_rate, "secure_mode": self.secure_mode}
+
     def state_dict(self, include_secrets: bool = False) -> Dict[str, Any]:
         """Position and settings; the seed too with ``include_secrets`` (never publish that)."""
-        state = {"position": self.position, "num_samples": self.num_samples,
-                 "sample_rate": self.sample_rate, "secure_mode": self.secure_mode}
+        state = {"position": self.position, **self._settings()}
         if include_secrets:
             state["seed"] = self.seed
         return state
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        for key in ("num_samples", "sample_rate", "secure_mode"):
-            if state[key] != getattr(self, key):
+        for key, value in self._settings().items():
+            if state.get(key) != value:
                 raise ValueError(
-                    f"sampler checkpoint has {key}={state[key]!r}, this sampler {getattr(self, key)!r}: "
-                    "resume with the same dataset, sample rate and mode"
+                    f"sampler checkpoint has {key}={state.get(key)!r}, this sampler {value!r}: "
+                    "resume with the same dataset, sample rate and mode (data-parallel: number of ranks)"
                 )
         if "seed" in state:
             self.seed = state["seed"]
@@ -283,9 +286,22 @@ def _loader_kwargs(data_loader: DataLoader) -> Dict[str, Any]:
     return kwargs
 
 
+def check_whole_dataset(data_loader: DataLoader) -> None:
+    """Refuse a loader whose sampler picks its own examples: Poisson batches are drawn from the
+    whole dataset, so that sampler's indices (a split, a shard) would be silently ignored."""
+    if not isinstance(data_loader.sampler, (SequentialSampler, RandomSampler)):
+        raise ValueError(
+            f"fastdp samples Poisson batches from the loader's whole dataset, so its "
+            f"{type(data_loader.sampler).__name__} would be ignored (its indices, and the sample rate they "
+            "imply); give a loader over the examples to train on (torch.utils.data.Subset for a split); for "
+            "data-parallel runs give every rank the whole dataset, without a DistributedSampler, to "
+            "fastdp.distributed_poisson_loader")
+
+
 def dataset_and_rate(data_loader: DataLoader, sample_rate: Optional[float]):
     """``(dataset, N, q)`` for a Poisson loader replacing ``data_loader``; q defaults to
     ``batch_size / N``."""
+    check_whole_dataset(data_loader)
     dataset = data_loader.dataset
     n = len(dataset)
     if n == 0:

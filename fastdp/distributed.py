@@ -71,6 +71,11 @@ class DistributedPoissonBatchSampler(PoissonBatchSampler):
     def stream(self) -> tuple:
         return (self.rank,)
 
+    def _settings(self):
+        """Global, so that every rank loads the state rank 0 saved (the shards differ in size)."""
+        return {"num_samples": self.global_samples, "world_size": self.world_size,
+                "sample_rate": self.sample_rate, "secure_mode": self.secure_mode}
+
     def batch(self, n: int) -> List[int]:
         rng = self.rng(n)
         size = int(rng.binomial(self.num_samples, self.sample_rate))

@@ -214,9 +214,11 @@ class GradSampleEngine:
         for p, grads in shared.items():
             params.append(p)
             norms.append(sq_norms_of(grads))
+        if not norms:  # the pass reached only parameters left out of the optimizer: nothing to clip
+            return
 
         # per sample, over all parameters: checked for NaN/Inf here, the flat norm to clip
-        total_sq, finite = ops.total_sq_norms(norms) if norms else (None, True)
+        total_sq, finite = ops.total_sq_norms(norms)
         bad = None if finite else self._nonfinite_samples(dict(zip(params, norms)), total_sq)
         if bad is not None:
             norms = [torch.where(bad, 0.0, n) for n in norms]
@@ -253,12 +255,12 @@ class GradSampleEngine:
         seen.update(inputs)
 
     def _coefficients(self, params: List[torch.Tensor], norms: List[torch.Tensor], scale: float,
-                      total_sq: Optional[torch.Tensor], bad: Optional[torch.Tensor]):
+                      total_sq: torch.Tensor, bad: Optional[torch.Tensor]):
         """``coef_of(param)``: its clipping coefficients (B,), zeroed for dropped samples and in
         the dtype the rules compute in (float32 for half-precision parameters). A policy with
         one coefficient for all parameters (flat, automatic) gives it once, cast once per dtype."""
         shared = getattr(self.clipping, "coefficient", None)
-        if shared is not None and total_sq is not None:
+        if shared is not None:
             one, per_param = shared(total_sq, scale), None
         else:
             one, per_param = None, self.clipping.coefficients(dict(zip(params, norms)), scale, total_sq)

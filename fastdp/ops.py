@@ -167,12 +167,6 @@ def in_input_dtypes(outs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]
 # --------------------------------------------------------------------------- references
 
 
-def sum_to_float64(x: torch.Tensor, dims) -> torch.Tensor:
-    """``x.sum(dims)`` accumulated in x's compute dtype (cascaded on CPU; float32 for half
-    precision, whose sums overflow at 65504), returned as float64."""
-    return x.sum(dims, dtype=compute_dtype(x.dtype)).double()
-
-
 def outer_sq_norms_ref(a: torch.Tensor, g: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """A linear layer with one row per sample, ``a`` (B, d) and ``g`` (B, p): float64 (B,)
     squared norms of the per-sample weight gradients ``g_i a_i^T`` (``|a_i|^2 |g_i|^2``) and of
@@ -199,9 +193,15 @@ def clip_factors_ref(total: torch.Tensor, bound: float, scale: float, offset: fl
     return coef.clamp_(max=scale) if clamp else coef
 
 
+def squared_norms64(x: torch.Tensor, dims) -> torch.Tensor:
+    """Squared L2 norms of ``x`` over ``dims``, squared and summed in float64 (a float32 square
+    overflows at 1.8e19: a finite sample would get an infinite norm and be dropped)."""
+    return torch.linalg.vector_norm(x, dim=dims, dtype=torch.float64).square_()
+
+
 def sample_sq_norms_ref(x: torch.Tensor) -> torch.Tensor:
     """Squared L2 norm of each sample's slice of ``x`` (B, ...), float64 (B,)."""
-    return sum_to_float64(x.flatten(1).to(compute_dtype(x.dtype)).square(), 1)
+    return squared_norms64(x.flatten(1), 1)
 
 
 def linear_sq_norms_ghost_ref(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -219,7 +219,7 @@ def linear_sq_norms_direct_ref(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor
     """``||g_i^T a_i||_F^2`` per sample by instantiating the ``(p, d)`` per-sample gradients."""
     dtype = compute_dtype(a.dtype)  # half precision: per-sample gradients overflow float16
     per_sample = torch.bmm(g.to(dtype).transpose(1, 2), a.to(dtype))
-    return sum_to_float64(per_sample.square_(), (1, 2))
+    return squared_norms64(per_sample, (1, 2))
 
 
 def embedding_sq_norms_ref(
@@ -233,7 +233,7 @@ def embedding_sq_norms_ref(
     no gradient and are excluded. O(B T D).
     """
     batch, seq = ids.shape
-    flat_g = g.reshape(batch * seq, g.shape[-1])
+    flat_g = g.reshape(batch * seq, g.shape[-1]).to(compute_dtype(g.dtype))  # half: its sums overflow
     sample = torch.arange(batch, device=ids.device).repeat_interleave(seq)
     key = sample * (int(ids.max().item()) + 1 if ids.numel() else 1) + ids.reshape(-1)
     keep = None
@@ -245,7 +245,7 @@ def embedding_sq_norms_ref(
     uniq_sample = torch.zeros(uniq.numel(), dtype=torch.long, device=ids.device)
     uniq_sample.scatter_(0, inverse, sample)
     out = torch.zeros(batch, dtype=torch.float64, device=ids.device)
-    return out.index_add_(0, uniq_sample, sums.square().sum(1, dtype=torch.float64))
+    return out.index_add_(0, uniq_sample, squared_norms64(sums, 1))
 
 
 def noisy_average_ref(
@@ -297,7 +297,7 @@ def group_norm_backward_ref(g: torch.Tensor, x: torch.Tensor, mean: torch.Tensor
     grad_x = None
     if input_grad:
         grad_x = torch.ops.aten.native_group_norm_backward(
-            g.contiguous(), x, mean, rstd, weight, n, c, hw, groups, [True, False, False])[0]
+            g.contiguous(), x.contiguous(), mean, rstd, weight, n, c, hw, groups, [True, False, False])[0]
     dtype = compute_dtype(g.dtype)
     g3, x3 = g.reshape(n, c, hw).to(dtype), x.reshape(n, c, hw).to(dtype)
     sum_g = g3.sum(2)
@@ -372,6 +372,12 @@ def embedding_sq_norms(ids: torch.Tensor, g: torch.Tensor, padding_idx: Optional
 def noisy_average(
     sums: Sequence[torch.Tensor], std: float, divisor: float, seed: int, inplace: bool = False
 ) -> List[torch.Tensor]:
+    """``(s + std * z) / divisor`` for every tensor of ``sums``; std finite >= 0, divisor finite > 0
+    (a negative or NaN std would otherwise give no noise on one backend and noise on another)."""
+    if not (std >= 0 and math.isfinite(std)):
+        raise ValueError(f"noise std must be a finite number >= 0, got {std!r}")
+    if not (divisor > 0 and math.isfinite(divisor)):
+        raise ValueError(f"the noisy sum's divisor must be a finite number > 0, got {divisor!r}")
     if not sums:
         return []
     return _call("noisy_average", sums[0].device, sums, std, divisor, seed, inplace=inplace)

@@ -15,7 +15,9 @@ populated: autograd skips the unclipped weight gradients entirely.
 """
 from __future__ import annotations
 
+import copy
 import os
+import warnings
 from collections import OrderedDict
 from typing import Callable, List, Optional, Sequence, Union
 
@@ -24,6 +26,7 @@ import torch.optim.optimizer as torch_optimizer_module
 from torch import nn
 
 from fastdp import ops, secure
+from fastdp.arguments import finite_number
 from fastdp.clipping import make_clipping
 from fastdp.engine import GradSampleEngine
 from fastdp.layers import UnsupportedModuleError
@@ -82,13 +85,6 @@ class DPOptimizer(torch.optim.Optimizer):
             raise ValueError("secure_mode=True draws the noise from OS entropy: do not pass a seed")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-        if not (noise_multiplier >= 0 and noise_multiplier < float("inf")):
-            raise ValueError(f"noise_multiplier must be a finite number >= 0, got {noise_multiplier}")
-        if not (isinstance(expected_batch_size, (int, float)) and expected_batch_size > 0):
-            raise ValueError(
-                f"expected_batch_size must be > 0 (Poisson sampling: sample_rate * dataset size), "
-                f"got {expected_batch_size}"
-            )
         # torch.optim.Optimizer.__init__ is not called: state and groups are the wrapped ones.
         self.original_optimizer = optimizer
         self._optimizer_step_pre_hooks = OrderedDict()
@@ -97,7 +93,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self._optimizer_state_dict_post_hooks = OrderedDict()
         self._optimizer_load_state_dict_pre_hooks = OrderedDict()
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
-        self.noise_multiplier = float(noise_multiplier)
+        self.noise_multiplier = noise_multiplier
         self.expected_batch_size = expected_batch_size
         self.loss_reduction = loss_reduction
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
@@ -156,6 +152,25 @@ class DPOptimizer(torch.optim.Optimizer):
         self._max_grad_norm = value
 
     @property
+    def noise_multiplier(self) -> float:
+        """sigma, a finite number >= 0; settable between steps (the accountant records each step's)."""
+        return self._noise_multiplier
+
+    @noise_multiplier.setter
+    def noise_multiplier(self, value: float) -> None:
+        self._noise_multiplier = finite_number(value, "noise_multiplier", zero_ok=True)
+
+    @property
+    def expected_batch_size(self) -> float:
+        """The divisor of the noisy sum: under Poisson sampling q N, a finite number > 0."""
+        return self._expected_batch_size
+
+    @expected_batch_size.setter
+    def expected_batch_size(self, value: float) -> None:
+        self._expected_batch_size = finite_number(
+            value, "expected_batch_size (Poisson sampling: sample_rate * dataset size)")
+
+    @property
     def noise_std(self) -> float:
         """Std of the Gaussian noise on the summed clipped gradient: sigma times the sensitivity."""
         return self.noise_multiplier * self.clipping.sensitivity
@@ -165,16 +180,21 @@ class DPOptimizer(torch.optim.Optimizer):
         return self.engine.skipped_samples
 
     def attach_step_hook(self, hook: Callable[["DPOptimizer"], None]) -> None:
-        """Call ``hook(self)`` after every step (the accountant records steps this way)."""
+        """Call ``hook(self)`` after every step."""
         self._step_hooks.append(hook)
 
     def attach_accountant(self, accountant, sample_rate: float) -> None:
-        """Record every step with ``accountant`` at this optimizer's sigma and ``sample_rate``."""
+        """Record every step with ``accountant`` (anything with ``step(noise_multiplier=,
+        sample_rate=)``) at this optimizer's sigma and ``sample_rate``, before the step's noisy
+        gradients are released: a step is counted even if it fails afterwards, never released
+        uncounted."""
+        from fastdp.accounting.base import check_sample_rate  # not at import: the package loads SciPy
+        self.sample_rate = check_sample_rate(sample_rate)
         self.accountant = accountant
-        self.sample_rate = float(sample_rate)
-        self.attach_step_hook(
-            lambda opt: accountant.step(noise_multiplier=opt.noise_multiplier, sample_rate=opt.sample_rate)
-        )
+
+    def _account_step(self) -> None:
+        if self.accountant is not None:
+            self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
 
     def attach_loader(self, loader) -> None:
         """Check at every step that the loop took exactly one batch of ``loader`` (a
@@ -283,6 +303,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self._check_trainable()
         self.engine.check_foreign_grads()  # also where no hooked layer ran, so no backward callback did
         self._check_one_batch_per_step()
+        self._account_step()
         self.privatise_grads()
         self.original_optimizer.step()
         self.steps += 1
@@ -343,23 +364,33 @@ class DPOptimizer(torch.optim.Optimizer):
             raise ValueError("this optimizer state was written by an older fastdp, whose noise seeds came from a "
                              "torch.Generator: it cannot resume the same noise stream; resume with that version "
                              "or start the run again")
+        draws, key = int(seeds["draws"]), seeds.get("key")
         history = state_dict.get("accountant")
         if history is not None and self.accountant is None and getattr(self, "rank", 0) == 0:
             raise ValueError("the state holds an accountant history but this optimizer has no accountant: "
                              "attach one first (make_private or attach_accountant) so that epsilon continues from it")
         restorable = hasattr(self.accountant, "load_state_dict")
-        if history is None and restorable and state_dict["steps"] > 0:
+        recorded = history.get("history") if isinstance(history, dict) else history
+        if restorable and state_dict["steps"] > 0 and not recorded:
             raise ValueError("the state has steps but no accountant history: epsilon would restart from zero")
         if history is not None and self.accountant is not None and not restorable:
             raise ValueError(f"the state holds an accountant history that {type(self.accountant).__name__} "
                              "cannot load: attach a fastdp accountant")
+        if history is not None and restorable:  # refused here, before anything of this optimizer changed
+            copy.deepcopy(self.accountant).load_state_dict(history)
+            if getattr(self.accountant, "steps", 0):
+                warnings.warn(
+                    f"loading replaces the {self.accountant.steps} steps this optimizer's accountant recorded "
+                    "with the state's history: their privacy cost is forgotten, which is sound only if nothing "
+                    "computed from them (weights, losses, metrics) is ever released",
+                    UserWarning, stacklevel=3)
         self.original_optimizer.load_state_dict(state_dict["optimizer"])
         self.steps = state_dict["steps"]
         if history is not None and restorable:
             self.accountant.load_state_dict(history)
-        self._noise_draws = int(seeds["draws"])
-        if "key" in seeds:
-            self._noise_key = int(seeds["key"])
+        self._noise_draws = draws
+        if key is not None:
+            self._noise_key = int(key)
 
 
 _STEP_WITH_HOOKS = torch.optim.Optimizer.profile_hook_step(DPOptimizer._dp_step)

@@ -7,9 +7,10 @@ from typing import Optional, Tuple
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader
 
-from fastdp.data import poisson_loader
+from fastdp.arguments import finite_number
+from fastdp.data import check_whole_dataset, poisson_loader
 from fastdp.optimizer import DPOptimizer
 
 
@@ -51,12 +52,11 @@ def make_private(
     batch_size = data_loader.batch_size
     if not batch_size or dataset_size == 0:
         raise ValueError("make_private needs a data loader with a batch_size over a non-empty dataset")
-    if poisson_sampling and not isinstance(data_loader.sampler, (SequentialSampler, RandomSampler)):
-        raise ValueError(
-            f"make_private samples Poisson batches from the whole dataset, so the loader's "
-            f"{type(data_loader.sampler).__name__} would be ignored (its indices, and the sample rate it "
-            "implies); give a loader over the examples to train on (torch.utils.data.Subset for a split), "
-            "or fastdp.distributed_poisson_loader for data-parallel runs")
+    if batch_size > dataset_size:
+        raise ValueError(f"the loader's batch_size {batch_size} exceeds its dataset's {dataset_size} examples: "
+                         "the sample rate batch_size / N must be at most 1; lower the batch_size")
+    if poisson_sampling:
+        check_whole_dataset(data_loader)
     sample_rate = batch_size / dataset_size
     # Poisson: round(1/q) batches make an epoch; the loader's own fixed-size batches otherwise
     steps_per_epoch = max(1, round(1 / sample_rate)) if poisson_sampling else len(data_loader)
@@ -65,9 +65,7 @@ def make_private(
     if target_epsilon is not None:
         if target_delta is None or epochs is None:
             raise ValueError("target_epsilon needs target_delta and epochs to calibrate the noise")
-        if not epochs > 0:
-            raise ValueError(f"epochs={epochs!r}: calibrating the noise needs the number of epochs you will "
-                             "train (> 0); with no step planned any noise meets the target, even none")
+        epochs = finite_number(epochs, "epochs (how long you will train, which calibrating the noise needs)")
         steps = int(math.ceil(epochs * steps_per_epoch))
         noise_multiplier = accounting.calibrate_noise(
             target_epsilon=target_epsilon, delta=target_delta, sample_rate=sample_rate,
@@ -81,11 +79,16 @@ def make_private(
             "Poisson-subsampled Gaussian analysis; the reported epsilon is not a guarantee",
             UserWarning, stacklevel=2,
         )
+    privacy_accountant = accounting.make_accountant(accountant)  # an unknown name: refused before any hook
     dp_optimizer = DPOptimizer(
         optimizer, module=module, noise_multiplier=noise_multiplier, max_grad_norm=max_grad_norm,
         expected_batch_size=batch_size, seed=seed, secure_mode=secure_mode, **optimizer_kwargs,
     )
-    dp_optimizer.attach_accountant(accounting.make_accountant(accountant), sample_rate)
-    if poisson_sampling:
-        dp_optimizer.attach_loader(data_loader)  # one Poisson batch per step, checked at each step
+    try:
+        dp_optimizer.attach_accountant(privacy_accountant, sample_rate)
+        if poisson_sampling:
+            dp_optimizer.attach_loader(data_loader)  # one Poisson batch per step, checked at each step
+    except Exception:
+        dp_optimizer.detach()  # leave the module as it was given
+        raise
     return module, dp_optimizer, data_loader

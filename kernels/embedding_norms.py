@@ -29,7 +29,8 @@ def _embedding_kernel(ids_sorted, order, g, partial, T, D, padding_idx, sgb, sgt
     for t in range(0, T):
         token = tl.load(ids_sorted + i * T + t)
         new_id = token != prev
-        total += tl.where(new_id, run * run, 0.0).to(tl.float64)
+        wide = run.to(tl.float64)  # squared in float64: no overflow past 1.8e19
+        total += tl.where(new_id, wide * wide, 0.0)
         run = tl.where(new_id, 0.0, run)
         keep = cols < D
         if HAS_PADDING:
@@ -37,7 +38,8 @@ def _embedding_kernel(ids_sorted, order, g, partial, T, D, padding_idx, sgb, sgt
         row = tl.load(g + i * sgb + tl.load(order + i * T + t) * sgt + cols * sgd, mask=keep, other=0.0)
         run += row.to(ACC)
         prev = token
-    total += (run * run).to(tl.float64)
+    wide = run.to(tl.float64)
+    total += wide * wide
     tl.store(partial + i * tl.num_programs(1) + tile_d + tl.arange(0, 1), block_sum(total)[None])
 
 

@@ -17,7 +17,8 @@ float64 whatever the input dtype: its sum can cancel to far less than its terms,
 rounded in float32 let such a sample's norm come out near zero, so that it escaped
 clipping. The direct kernel sums squares (no cancellation): its tile products are summed in
 float32 with IEEE products (float64 inputs stay float64; bfloat16/float16 inputs are
-multiplied in their dtype with float32 accumulation) and accumulated across tiles in float64.
+multiplied in their dtype with float32 accumulation); each tile is then squared and summed in
+float64 (a float32 square overflows past 1.8e19, and a finite sample would lose its norm).
 """
 from __future__ import annotations
 
@@ -85,8 +86,8 @@ def _direct_kernel(a, g, partial, T, D, P, sab, sat, sad, sgb, sgt, sgp,
             tile += tl.dot(tl.trans(gt.to(ACC) if UPCAST else gt), at.to(ACC) if UPCAST else at,
                            input_precision=PRECISION, out_dtype=ACC)
         valid = (rows_p[:, None] < P) & (cols_d[None, :] < D)
-        tile = tl.where(valid, tile, 0.0)
-        total += block_sum(tile * tile).to(tl.float64)
+        tile = tl.where(valid, tile, 0.0).to(tl.float64)  # squared in float64: no overflow past 1.8e19
+        total += block_sum(tile * tile)
     tl.store(partial + i * tl.num_programs(1) + tile_p + tl.arange(0, 1), total)
 
 
@@ -152,6 +153,9 @@ def linear_sq_norms_direct_triton(
     p = g.shape[-1]
     if batch == 0 or seq == 0:
         return torch.zeros(batch, dtype=torch.float64, device=a.device)
+    if a.dtype != g.dtype:  # tl.dot takes one dtype
+        dtype = torch.promote_types(a.dtype, g.dtype)
+        a, g = a.to(dtype), g.to(dtype)
     block_p, block_d, block_t = _block(p, block_p), _block(d, block_d), _block(seq, block_t)
     n_tiles = triton.cdiv(p, block_p)
     partial = torch.empty(batch, n_tiles, dtype=torch.float64, device=a.device)  # every entry is stored

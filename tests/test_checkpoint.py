@@ -167,3 +167,67 @@ def test_accountant_state_loads_with_weights_only(tmp_path, name):
     restored = make_accountant(name)
     restored.load_state_dict(torch.load(tmp_path / "acc.pt", weights_only=True))
     assert restored.epsilon(1e-5) == acc.epsilon(1e-5)
+
+
+def test_a_refused_load_changes_nothing():
+    """The accountant's kind was checked after the wrapped optimizer's state and the step count
+    were restored: the refused optimizer, saved again, resumed at step 5 with epsilon 0 (review).
+    An empty history beside steps is refused like a missing one."""
+    model, opt, loader = build()
+    train(model, opt, loader, 3)
+    state = roundtrip(opt.state_dict())
+    _, other, _ = build()
+    other.attach_accountant(make_accountant("rdp"), BATCH / N)
+    with pytest.raises(ValueError, match="'pld' accountant"):
+        other.load_state_dict(state)
+    assert other.steps == 0 and not other.state and other.accountant.steps == 0
+    state["accountant"]["history"] = []
+    with pytest.raises(ValueError, match="restart from zero"):
+        build()[1].load_state_dict(state)
+
+
+def test_loading_over_recorded_steps_warns_that_their_cost_is_forgotten():
+    model, opt, loader = build()
+    train(model, opt, loader, 2)
+    state = roundtrip(opt.state_dict())
+    train(model, opt, loader, 3)
+    with pytest.warns(UserWarning, match="replaces the 5 steps"):
+        opt.load_state_dict(state)
+    assert opt.accountant.steps == 2
+
+
+def test_the_loader_the_optimizer_steps_on_is_saved_and_restored_by_default():
+    """Saved without data_loader=, a seeded run resumed with its seed took the run's first
+    batches again, which the accountant counted as fresh Poisson batches (review)."""
+    model, opt, loader = build(seed=5)
+    opt.attach_loader(loader)
+    train(model, opt, loader, 3)
+    state = roundtrip(checkpoint.state_dict(model=model, optimizer=opt))
+    assert state["data_loader"]["position"] == 3
+    model2, opt2, loader2 = build(seed=5, model_seed=1)
+    opt2.attach_loader(loader2)
+    checkpoint.load_state_dict(state, model=model2, optimizer=opt2)
+    assert loader2.batch_sampler.position == 3
+    train(model, opt, loader, 2)
+    train(model2, opt2, loader2, 2)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters()))
+    state["data_loader"] = None  # a checkpoint that holds no loader position
+    model3, opt3, loader3 = build(seed=5)
+    opt3.attach_loader(loader3)
+    with pytest.warns(UserWarning, match="holds no loader position"):
+        checkpoint.load_state_dict(state, model=model3, optimizer=opt3)
+
+
+def test_data_parallel_sampler_state_loads_on_every_rank_of_an_uneven_split():
+    """Each rank's sampler saved its own shard size: rank 1 of 2 over 5 examples refused rank
+    0's state ('resume with the same dataset'), the documented data-parallel resume (review)."""
+    from fastdp.distributed import DistributedPoissonBatchSampler
+    samplers = [DistributedPoissonBatchSampler(5, 0.4, seed=1, rank=r, world_size=2) for r in range(2)]
+    next(iter(samplers[0]))
+    state = samplers[0].state_dict()
+    for rank in range(2):
+        fresh = DistributedPoissonBatchSampler(5, 0.4, seed=1, rank=rank, world_size=2)
+        fresh.load_state_dict(state)
+        assert fresh.position == 1
+    with pytest.raises(ValueError, match="world_size=2, this sampler 3"):
+        DistributedPoissonBatchSampler(5, 0.4, seed=1, rank=0, world_size=3).load_state_dict(state)

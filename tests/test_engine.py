@@ -164,6 +164,20 @@ def test_unused_layer_gets_noise_only():
     assert torch.count_nonzero(model.b.weight.grad) == 0 and model.a.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("clipping", ["flat", "per_layer", "automatic"])
+def test_a_pass_reaching_only_parameters_outside_the_optimizer_adds_nothing(clipping):
+    """Flat and automatic clipping crashed on such a pass (no norm to total, review); it adds
+    no clipped sum, as a pass that accumulates no private gradient."""
+    body, head = nn.Linear(4, 4), nn.Linear(4, 2)
+    model = nn.ModuleDict({"body": body, "head": head})
+    with pytest.warns(UserWarning, match="body"):
+        opt = fastdp.DPOptimizer(torch.optim.SGD(head.parameters(), lr=0.1), module=model, noise_multiplier=0.0,
+                                 max_grad_norm=1.0, expected_batch_size=4, clipping=clipping)
+    body(torch.randn(4, 4)).sum().backward()
+    opt.step()
+    assert torch.count_nonzero(head.weight.grad) == 0
+
+
 def test_float32_long_sequence_linear_matches_float64():
     """B=4, T=512, d=p=512 in float32 stays within 1e-5 of float64 (norms and clipped sum)."""
     torch.manual_seed(5)

@@ -330,6 +330,75 @@ def test_half_precision_norms_accumulate_in_float32(use_backend, backend, dtype)
         torch.testing.assert_close(route(a, g), want_seq, rtol=1e-6, atol=0)
 
 
+def test_squared_norms_of_finite_samples_past_float32s_square_range(tri):
+    """A finite float32 sample whose per-sample gradient norm passes 1.8e19 gets its true
+    squared norm (float64) from every route and backend: squared in float32 it was Inf, so the
+    engine refused the step as non-finite or, skipping, dropped the sample instead of clipping
+    it (review)."""
+    torch.manual_seed(0)
+    a, g = torch.randn(3, 20, 6), torch.randn(3, 20, 5)
+    a[1] *= 1e12
+    g[1] *= 1e12
+    ids, rows = torch.randint(0, 4, (3, 20)), g * 1e9
+    want_linear = ops.linear_sq_norms_direct_ref(a.double(), g.double())
+    want_rows = (g.double() * 1e9).square().sum((1, 2))
+    want_embedding = ops.embedding_sq_norms_ref(ids, rows.double(), None)
+    assert want_linear[1] > 1e40 and want_rows[1] > 1e40 and want_embedding[1] > 1e40
+    tl, te = tri["linear_norms"], tri["embedding_norms"]
+    for name, route, args, want in [
+        ("direct", (ops.linear_sq_norms_direct_ref, native.linear_sq_norms_direct,
+                    tl.linear_sq_norms_direct_triton), (a, g), want_linear),
+        ("ghost", (ops.linear_sq_norms_ghost_ref, native.linear_sq_norms_ghost,
+                   tl.linear_sq_norms_ghost_triton), (a, g), want_linear),
+        ("rows", (ops.sample_sq_norms_ref, native.sample_sq_norms), (rows,), want_rows),
+        ("embedding", (ops.embedding_sq_norms_ref, native.embedding_sq_norms,
+                       te.embedding_sq_norms_triton), (ids, rows, None), want_embedding),
+    ]:
+        for op in route:
+            device_args = [on_triton_device(x)[0] if torch.is_tensor(x) else x for x in args]
+            out = op(*(device_args if op.__module__.startswith("kernels") else args)).cpu()
+            assert rel_err(out, want) < 1e-6, (name, op.__qualname__, out)
+
+
+def test_triton_direct_route_takes_mixed_dtypes(tri):
+    a, g = torch.randn(2, 5, 7, dtype=torch.float64), torch.randn(2, 5, 3)
+    exact = ops.linear_sq_norms_direct_ref(a, g.double())
+    out = tri["linear_norms"].linear_sq_norms_direct_triton(*on_triton_device(a, g)).cpu()
+    assert rel_err(out, exact) < 1e-12
+
+
+@pytest.mark.parametrize("backend", ["reference", "native"])
+def test_noisy_average_refuses_a_negative_or_nan_std_and_a_nonpositive_divisor(use_backend, backend):
+    """The reference added no noise for std < 0 or NaN where the kernels drew it (review):
+    every backend now refuses such settings instead of disagreeing."""
+    use_backend(backend)
+    sums = [torch.zeros(4)]
+    for std, divisor in [(-1.0, 1.0), (math.nan, 1.0), (math.inf, 1.0), (1.0, 0.0), (1.0, -2.0), (1.0, math.nan)]:
+        with pytest.raises(ValueError, match="noise std|divisor"):
+            ops.noisy_average(sums, std, divisor, seed=1)
+    assert torch.equal(sums[0], torch.zeros(4))
+
+
+def test_embedding_reference_sums_half_precision_in_float32():
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    g = torch.full((2, 3, 4), 300.0, dtype=torch.float16)  # three rows of one id: 900 per entry
+    out = ops.embedding_sq_norms_ref(ids, g, None)
+    torch.testing.assert_close(out, torch.full((2,), 4 * 900.0**2, dtype=torch.float64), rtol=1e-12, atol=0)
+
+
+def test_group_norm_reference_input_gradient_for_channels_last_input():
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 3, 5, dtype=torch.float64).to(memory_format=torch.channels_last)
+    gn = torch.nn.GroupNorm(2, 4).double()
+    leaf = x.detach().clone().requires_grad_(True)
+    out = gn(leaf)
+    g = torch.randn_like(out)
+    (want,) = torch.autograd.grad(out, leaf, g)
+    mean, rstd = torch.ops.aten.native_group_norm(x, gn.weight, gn.bias, 2, 4, 15, 2, gn.eps)[1:]
+    grad_x = ops.group_norm_backward_ref(g, x, mean, rstd, gn.weight, 2, True)[0]
+    torch.testing.assert_close(grad_x, want, rtol=1e-10, atol=1e-12)
+
+
 # --------------------------------------------------------------------------- dispatch
 
 

@@ -1,5 +1,6 @@
 """make_private: calibration, the accountant it attaches, sampling and argument errors."""
 import itertools
+import math
 
 import pytest
 import torch
@@ -371,7 +372,8 @@ def test_empty_batches_hold_no_example_whatever_the_collate(kind):
 
 def test_a_loader_sampler_make_private_would_ignore_is_refused():
     """Poisson batches are drawn from the whole dataset: a SubsetRandomSampler split trained on
-    held-out examples, at a rate computed for the wrong N (review)."""
+    held-out examples, at a rate computed for the wrong N (review). The Poisson loaders refuse
+    it too: they sampled the held-out examples without a word (review)."""
     from torch.utils.data import SubsetRandomSampler
     model = nn.Linear(3, 2)
     data = TensorDataset(torch.randn(40, 3), torch.randint(0, 2, (40,)))
@@ -379,6 +381,100 @@ def test_a_loader_sampler_make_private_would_ignore_is_refused():
     with pytest.raises(ValueError, match="SubsetRandomSampler would be ignored.*Subset"):
         fastdp.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
                             max_grad_norm=1.0, noise_multiplier=1.0)
+    with pytest.raises(ValueError, match="SubsetRandomSampler would be ignored"):
+        fastdp.poisson_loader(loader)
+    with pytest.raises(ValueError, match="SubsetRandomSampler would be ignored"):
+        fastdp.distributed_poisson_loader(loader, seed=0, rank=0, world_size=2)
+
+
+def test_a_batch_size_above_the_dataset_size_is_refused_before_training():
+    """q = batch_size / N above 1 was accepted; the first step changed the weights, then the
+    accountant refused q and the step went uncounted (review)."""
+    model = nn.Linear(3, 2)
+    before = model.weight.detach().clone()
+    for poisson in (True, False):
+        loader = DataLoader(TensorDataset(torch.randn(10, 3), torch.randint(0, 2, (10,))), batch_size=32)
+        with pytest.raises(ValueError, match="batch_size 32 exceeds its dataset's 10 examples"):
+            fastdp.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                data_loader=loader, max_grad_norm=1.0, noise_multiplier=1.0,
+                                poisson_sampling=poisson)
+    assert torch.equal(model.weight, before) and not model._forward_hooks and not model._forward_pre_hooks
+
+
+def test_a_failed_make_private_leaves_the_module_unhooked():
+    """An unknown accountant name was refused after the module was hooked: plain training then
+    got no weight gradient, and a retry was refused as 'already hooked' (review)."""
+    model, opt, loader = setup()
+    with pytest.raises(ValueError, match="unknown accountant"):
+        fastdp.make_private(module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0,
+                            max_grad_norm=1.0, accountant="RDP ")
+    nn.functional.cross_entropy(model(torch.randn(4, 5)), torch.zeros(4, dtype=torch.long)).backward()
+    assert all(p.grad is not None for p in model.parameters())
+    opt.zero_grad()
+    _, dp_opt, _ = fastdp.make_private(module=model, optimizer=opt, data_loader=loader, noise_multiplier=1.0,
+                                       max_grad_norm=1.0, accountant="rdp")
+    assert isinstance(dp_opt.accountant, accounting.RDPAccountant)
+
+
+@pytest.mark.parametrize("epochs", [0, -1, float("inf"), float("nan"), "2"])
+def test_make_private_refuses_epochs_it_cannot_calibrate_for(epochs):
+    model, opt, loader = setup()
+    with pytest.raises(ValueError, match="epochs"):
+        fastdp.make_private(module=model, optimizer=opt, data_loader=loader, max_grad_norm=1.0,
+                            target_epsilon=1.0, target_delta=1e-5, epochs=epochs)
+
+
+@pytest.mark.parametrize("sigma", [-0.5, float("nan"), float("inf"), "1.0", None])
+def test_a_noise_multiplier_set_between_steps_is_checked_before_any_release(sigma):
+    """A plain attribute before: a negative or NaN sigma set between steps (a buggy schedule)
+    was used for the update (no noise on the reference backend, NaN weights for NaN), and only
+    then did the accountant refuse it, leaving the released step uncounted (review)."""
+    model, opt, loader = _private()
+    x, y = next(iter(loader))
+    _step_on(model, opt, x, y)
+    with pytest.raises(ValueError, match="noise_multiplier must be a finite number >= 0"):
+        opt.noise_multiplier = sigma
+    assert opt.noise_multiplier == 1.0 and opt.accountant.steps == 1
+
+
+def test_the_accountant_counts_a_step_before_its_update_is_released():
+    """A step that fails after its noisy gradients exist (here the wrapped optimizer raises)
+    is counted: the accountant records a step before anything of it is released."""
+    model, opt, loader = _private()
+
+    def broken_step(*args, **kwargs):
+        raise RuntimeError("wrapped optimizer failed")
+
+    opt.original_optimizer.step = broken_step
+    x, y = next(iter(loader))
+    with pytest.raises(RuntimeError, match="wrapped optimizer failed"):
+        _step_on(model, opt, x, y)
+    assert opt.accountant.steps == 1
+
+
+def test_numeric_settings_accept_numpy_and_tensor_numbers():
+    """np.int64(256) was refused as an expected batch size ('must be > 0, got 256'), and per-layer
+    clipping took a NumPy or 0-d tensor bound for a sequence of bounds (review)."""
+    import numpy as np
+    model = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    for number in (np.int64(8), np.float32(8.0), torch.tensor(8.0)):
+        for clipping in ("flat", "per_layer", "automatic"):
+            opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), module=model,
+                                     noise_multiplier=np.float64(1.0), max_grad_norm=number / 8,
+                                     expected_batch_size=number, clipping=clipping)
+            assert opt.expected_batch_size == 8.0 and math.isclose(opt.clipping.sensitivity, 1.0)
+            opt.detach()
+    with pytest.raises(ValueError, match="expected_batch_size .* must be a finite number > 0"):
+        fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), module=model, noise_multiplier=1.0,
+                           max_grad_norm=1.0, expected_batch_size=float("inf"))
+
+
+def test_fastdp_accounting_is_reachable_after_import_fastdp():
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", "import fastdp; print(fastdp.accounting.epsilon.__name__)"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "epsilon", out.stderr
 
 
 def test_fixed_size_batches_calibrate_for_the_loader_s_steps():
