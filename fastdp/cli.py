@@ -30,19 +30,19 @@ def positive_float(text: str) -> float:
     return value
 
 
-def nonnegative_float(text: str) -> float:
-    """argparse type: a finite number >= 0."""
-    value = _float(text)
-    if not (value >= 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
-    return value
-
-
 def open_unit_float(text: str) -> float:
     """argparse type: a number strictly between 0 and 1 (a delta)."""
     value = _float(text)
     if not 0 < value < 1:
         raise argparse.ArgumentTypeError(f"expected a number strictly between 0 and 1, got {text}")
+    return value
+
+
+def momentum_float(text: str) -> float:
+    """argparse type: a number in [0, 1) (an SGD momentum; 1 or more diverges)."""
+    value = _float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text}")
     return value
 
 

@@ -126,10 +126,10 @@ def _normalised(train_x: np.ndarray, test_x: np.ndarray) -> Tuple[torch.Tensor, 
 
 
 def _subset(x: np.ndarray, y: np.ndarray, n: Optional[int], seed: int):
-    if n is None or n >= len(y):
+    if n is None or n == len(y):
         return x, y
-    if n <= 0:
-        raise ValueError(f"--subset must be positive, got {n}")
+    if not 0 < n < len(y):
+        raise ValueError(f"--subset {n}: expected a number of training examples from 1 to {len(y)}")
     keep = np.sort(np.random.default_rng(seed).choice(len(y), size=n, replace=False))
     return x[keep], y[keep]
 

@@ -18,6 +18,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Tuple
 
@@ -26,9 +27,9 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm import tqdm
 
-from fastdp.accounting import available_accountants
+from fastdp.accounting import UnreachableTargetError, available_accountants
 from fastdp.allocator import keep_freed_memory
-from fastdp.cli import nonnegative_float, nonnegative_int, open_unit_float, positive_float, positive_int
+from fastdp.cli import momentum_float, nonnegative_int, open_unit_float, positive_float, positive_int
 from fastdp.datasets import DATASETS, DatasetNotFoundError, collate_pairs, load_dataset
 from fastdp.privacy import make_private
 
@@ -167,20 +168,33 @@ def train(config: TrainConfig) -> TrainResult:
     cfg = config.resolved()
     if cfg.epochs <= 0 or cfg.batch_size <= 0:
         raise TrainConfigError(f"epochs and batch size must be positive, got {cfg.epochs} and {cfg.batch_size}")
+    if cfg.data_dir is not None and cfg.dataset != "fashion-mnist":
+        raise TrainConfigError(f"--data-dir is for fashion-mnist; {cfg.dataset} comes with scikit-learn")
     torch.manual_seed(cfg.seed)
-    data = load_dataset(cfg.dataset, cfg.data_dir, cfg.subset, cfg.seed)
+    try:
+        data = load_dataset(cfg.dataset, cfg.data_dir, cfg.subset, cfg.seed)
+    except ValueError as exc:  # an argument the dataset cannot honour (--subset)
+        raise TrainConfigError(str(exc)) from None
     n = len(data.train)
     if cfg.batch_size > n:
         raise TrainConfigError(f"batch size {cfg.batch_size} exceeds the {n} training examples "
-                         "(the sample rate B/N must be at most 1)")
+                               "(the sample rate B/N must be at most 1)")
+    if cfg.delta >= 1 / n:
+        warnings.warn(f"delta={cfg.delta:g} is not below 1/N = {1 / n:.3g}: a mechanism that publishes one "
+                      "random example outright meets such a delta; use delta << 1/N", UserWarning, stacklevel=2)
     model = build_model(data.input_shape, data.num_classes, cfg.activation)
     base = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     loader = DataLoader(data.train, batch_size=cfg.batch_size, collate_fn=collate_pairs)
-    model, optimizer, loader = make_private(
-        module=model, optimizer=base, data_loader=loader, max_grad_norm=cfg.max_grad_norm,
-        target_epsilon=cfg.target_epsilon, target_delta=cfg.delta, epochs=cfg.epochs,
-        accountant=cfg.accountant, seed=cfg.dp_seed,
-    )
+    try:
+        model, optimizer, loader = make_private(
+            module=model, optimizer=base, data_loader=loader, max_grad_norm=cfg.max_grad_norm,
+            target_epsilon=cfg.target_epsilon, target_delta=cfg.delta, epochs=cfg.epochs,
+            accountant=cfg.accountant, seed=cfg.dp_seed,
+        )
+    except UnreachableTargetError as exc:
+        raise TrainConfigError(f"target epsilon {cfg.target_epsilon:g} cannot be met in {cfg.epochs} epochs at "
+                               f"batch size {cfg.batch_size} with any noise ({exc}); raise --target-epsilon or "
+                               "lower --epochs or --batch-size") from None
     steps_per_epoch = len(loader)
     result = TrainResult(metrics={})
     criterion = nn.CrossEntropyLoss()
@@ -260,6 +274,17 @@ def _summary(cfg: TrainConfig, result: TrainResult) -> str:
     ])
 
 
+def _check_writable(flag: str, path: str) -> None:
+    """Create ``path``'s directory and check that a file can be written there, or exit naming ``flag``."""
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        raise SystemExit(f"fastdp train: {flag} {path}: cannot create its directory ({exc.strerror})") from None
+    if os.path.isdir(path) or not os.access(directory, os.W_OK):
+        raise SystemExit(f"fastdp train: {flag} {path}: not a writable file path")
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of ``fastdp train``."""
     if args.plot:
@@ -267,6 +292,9 @@ def run(args: argparse.Namespace) -> int:
             import matplotlib  # noqa: F401
         except ImportError:
             raise SystemExit("fastdp train: --plot needs matplotlib: pip install matplotlib") from None
+    for flag, path in (("--metrics-json", args.metrics_json), ("--plot", args.plot)):
+        if path:  # found unwritable now, not after the whole run
+            _check_writable(flag, path)
     if args.threads:
         torch.set_num_threads(args.threads)
     keep_freed_memory()
@@ -286,8 +314,6 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"fastdp train: {exc}") from None
     print(_summary(config.resolved(), result))
     if args.metrics_json:
-        directory = os.path.dirname(os.path.abspath(args.metrics_json))
-        os.makedirs(directory, exist_ok=True)
         with open(args.metrics_json, "w") as f:
             json.dump({key: result.metrics[key] for key in METRIC_KEYS}, f, indent=2)
             f.write("\n")
@@ -310,7 +336,7 @@ def register(subparsers) -> None:
     p.add_argument("--epochs", type=positive_int, help="default: 30 (fashion-mnist), 10 (digits)")
     p.add_argument("--batch-size", type=positive_int, help="expected (Poisson) batch size; default 2048 / 128")
     p.add_argument("--lr", type=positive_float, help="SGD learning rate; default 4 / 2")
-    p.add_argument("--momentum", type=nonnegative_float, help="SGD momentum; default 0.9")
+    p.add_argument("--momentum", type=momentum_float, help="SGD momentum; default 0.9")
     p.add_argument("--max-grad-norm", type=positive_float, help="clipping bound C; default 0.1")
     p.add_argument("--activation", choices=sorted(ACTIVATIONS), default="tanh")
     p.add_argument("--accountant", choices=available_accountants(), default="pld",

@@ -84,12 +84,14 @@ def test_make_private_needs_epochs_to_calibrate():
                             target_epsilon=1.0, target_delta=1e-5, epochs=0, max_grad_norm=1.0)
 
 
-def _private(n=40, batch_size=4, **kw):
+def _private(n=40, batch_size=4, seed=0, **kw):
+    """Seeded batches: an unseeded one is empty 1.5 % of the time at q = 0.1, and an empty
+    batch fed again adds nothing, so checks of reuse would pass by chance."""
     torch.manual_seed(0)
     model = nn.Linear(3, 2)
     loader = DataLoader(TensorDataset(torch.randn(n, 3), torch.randint(0, 2, (n,))), batch_size=batch_size)
     return fastdp.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                               data_loader=loader, max_grad_norm=1.0, noise_multiplier=1.0, **kw)
+                               data_loader=loader, max_grad_norm=1.0, noise_multiplier=1.0, seed=seed, **kw)
 
 
 def _step_on(model, opt, x, y):
@@ -222,9 +224,10 @@ def test_a_stepped_batch_trained_on_again_after_drawing_another_is_refused(lag, 
     inputs = torch.randn(40, 1, 3) if flatten else torch.randn(40, 3)
     loader = DataLoader(TensorDataset(inputs, torch.randint(0, 2, (40,))), batch_size=4)
     model, opt, loader = fastdp.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                                             data_loader=loader, max_grad_norm=1.0, noise_multiplier=1.0)
+                                             data_loader=loader, max_grad_norm=1.0, noise_multiplier=1.0, seed=3)
     batches = iter(loader)
     x, y = next(batches)
+    assert len(x)  # an empty batch fed again adds nothing and is not traced (flaky when unseeded: 1.5 %)
     _step_on(model, opt, x, y)
     for _ in range(lag - 1):
         _step_on(model, opt, *next(batches))

@@ -9,7 +9,7 @@ Both record ``(noise_multiplier, sample_rate, steps)`` with ``.step(...)`` and a
 Neighbouring datasets differ by adding or removing one example.
 """
 from .base import Accountant, available_accountants, make_accountant
-from .calibrate import calibrate_noise, epsilon
+from .calibrate import UnreachableTargetError, calibrate_noise, epsilon
 from .pld import PLDAccountant
 from .rdp import DEFAULT_ORDERS, OrderGridWarning, RDPAccountant
 
@@ -23,4 +23,5 @@ __all__ = [
     "make_accountant",
     "epsilon",
     "calibrate_noise",
+    "UnreachableTargetError",
 ]

@@ -5,7 +5,11 @@ import math
 
 from .base import check_delta, check_noise_multiplier, check_sample_rate, check_steps, make_accountant
 
-__all__ = ["epsilon", "calibrate_noise"]
+__all__ = ["epsilon", "calibrate_noise", "UnreachableTargetError"]
+
+
+class UnreachableTargetError(ValueError):
+    """No noise multiplier up to ``sigma_max`` meets the target epsilon."""
 
 
 def epsilon(
@@ -68,7 +72,7 @@ def calibrate_noise(
     while eps_hi > target:
         lo, eps_lo = hi, eps_hi
         if hi >= sigma_max:
-            raise ValueError(
+            raise UnreachableTargetError(
                 f"target_epsilon={target:g} is unreachable: even noise_multiplier={sigma_max:g} gives "
                 f"epsilon={eps_hi:.6g} at delta={delta:g} (sample_rate={q:g}, steps={steps}); "
                 "raise the target, lower steps or sample_rate, or pass a larger sigma_max"
