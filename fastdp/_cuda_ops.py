@@ -49,6 +49,7 @@ def noisy_average(sums: Sequence[torch.Tensor], std: float, divisor: float, seed
 
 def _launch(sums: Sequence[torch.Tensor], std: float, divisor: float, seed: int,
             inplace: bool) -> List[torch.Tensor]:
+    ops.check_float32_noise_scalars(std, divisor)
     srcs = [ops.kernel_operand(s) for s in sums]
     outs = srcs if inplace else [torch.empty_like(s) for s in srcs]
     for dtype in ops.KERNEL_FLOATS:

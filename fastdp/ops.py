@@ -133,6 +133,18 @@ def _call(op: str, device: torch.device, *args, **kwargs):
 KERNEL_FLOATS = (torch.float32, torch.float64)  # what the C++ and CUDA kernels compute in
 
 
+FLOAT32_NORMAL_RANGE = (1.1754943508222875e-38, 3.4028234663852886e38)
+
+
+def check_float32_noise_scalars(std: float, divisor: float) -> None:
+    """The GPU noise kernels take ``std`` and ``divisor`` as float32: refuse values float32 would
+    turn into 0 or Inf (or hold with lost precision), instead of releasing Inf or unscaled sums."""
+    low, high = FLOAT32_NORMAL_RANGE
+    if not (low <= divisor <= high and std <= high):
+        raise ValueError(f"noise std {std!r} or divisor {divisor!r} is outside float32's normal range "
+                         f"[{low:.3g}, {high:.3g}], which the GPU noise kernels take them in")
+
+
 def kernel_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """The one float dtype a kernel computes ``tensors`` in: their promoted dtype where it is
     float32/float64, else float32."""

@@ -23,11 +23,17 @@ from kernels.embedding_norms import embedding_sq_norms_triton
 from kernels.linear_norms import linear_sq_norms_direct_triton, linear_sq_norms_ghost_triton
 from kernels.noise import noisy_average_triton
 
+
+def _noisy_average(sums, std: float, divisor: float, seed: int, inplace: bool = False):
+    ops.check_float32_noise_scalars(std, divisor)  # the kernel takes both as float32
+    return noisy_average_triton(sums, std, divisor, seed, inplace)
+
+
 _KERNELS = {  # op: (kernel, in the default choice on CUDA)
     "linear_sq_norms_ghost": (linear_sq_norms_ghost_triton, False),
     "linear_sq_norms_direct": (linear_sq_norms_direct_triton, False),
     "embedding_sq_norms": (embedding_sq_norms_triton, True),
-    "noisy_average": (noisy_average_triton, False),
+    "noisy_average": (_noisy_average, False),
 }
 
 for _device in ("cuda", "cpu") if os.environ.get("TRITON_INTERPRET") == "1" else ("cuda",):

@@ -379,6 +379,19 @@ def test_noisy_average_refuses_a_negative_or_nan_std_and_a_nonpositive_divisor(u
     assert torch.equal(sums[0], torch.zeros(4))
 
 
+def test_gpu_noise_wrappers_refuse_scalars_float32_cannot_hold():
+    """The Triton and CUDA noise kernels take std and divisor as float32: a divisor below
+    1.4e-45 became 0 there (Inf gradients), a std above 3.4e38 Inf."""
+    pytest.importorskip("triton")
+    from kernels import dispatch
+    for std, divisor in [(1.0, 1e-40), (1e39, 1.0), (1.0, 1e39)]:
+        with pytest.raises(ValueError, match="float32's normal range"):
+            dispatch._noisy_average([torch.zeros(4)], std, divisor, seed=1)
+        with pytest.raises(ValueError, match="float32's normal range"):
+            ops.check_float32_noise_scalars(std, divisor)
+    ops.check_float32_noise_scalars(0.0, 1.0)
+
+
 def test_embedding_reference_sums_half_precision_in_float32():
     ids = torch.zeros(2, 3, dtype=torch.long)
     g = torch.full((2, 3, 4), 300.0, dtype=torch.float16)  # three rows of one id: 900 per entry
