@@ -459,6 +459,22 @@ def test_pld_with_losses_beyond_float_range_falls_back_to_rdp(sigma):
 
 
 
+@pytest.mark.parametrize("sigma, q, steps, delta", [(1.0, 0.01, 1000, 1e-50), (1.0, 1e-5, 10**9, 1e-5)])
+def test_pld_reports_the_rdp_bound_where_its_grid_is_looser(sigma, q, steps, delta):
+    """Past delta ~1e-45 or at ~1e9 steps the grid's error floor made PLD's epsilon looser than
+    RDP's (17.76 against 15.72; 3.81 against 1.76): both bound it, so the smaller is reported."""
+    pld = PLDAccountant().step(noise_multiplier=sigma, sample_rate=q, num_steps=steps)
+    grid = max(pld.direction_epsilons({(sigma, q): steps}, delta).values())
+    rdp = accounting.epsilon(sigma, q, steps, delta, "rdp")
+    assert rdp < 0.95 * grid and pld.epsilon(delta) == rdp
+
+
+def test_pld_keeps_its_own_bound_where_it_is_the_tighter_one():
+    pld = PLDAccountant().step(noise_multiplier=1.0, sample_rate=0.01, num_steps=1000)
+    grid = max(pld.direction_epsilons({(1.0, 0.01): 1000}, 1e-40).values())
+    assert pld.epsilon(1e-40) == grid < accounting.epsilon(1.0, 0.01, 1000, 1e-40, "rdp")
+
+
 def test_pld_with_a_full_batch_step_of_tiny_sigma_in_the_history():
     """A q = 1 step whose whole loss range lies past the cap, among sampled steps: the capped
     window came out empty and composition raised (review)."""
