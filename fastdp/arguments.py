@@ -12,7 +12,7 @@ def finite_number(value, name: str, *, zero_ok: bool = False) -> float:
     if not isinstance(value, (bool, str, bytes)):
         try:
             number = float(value)
-        except (TypeError, ValueError, RuntimeError):
+        except (TypeError, ValueError, RuntimeError, OverflowError):
             pass
     if not math.isfinite(number) or number < 0 or (number == 0 and not zero_ok):
         raise ValueError(f"{name} must be a finite number {bound}, got {value!r}")

@@ -10,7 +10,9 @@ position::
 
 ``data_loader`` defaults to the loader the optimizer steps on (``make_private``'s), so the
 loader's position is never left behind: a loader resumed at its first batch with the run's
-seed would repeat the run's batches while the accountant counted them as fresh.
+seed would repeat the run's batches while the accountant counted them as fresh. Loading with
+``data_loader=False`` leaves the loader as it is (resuming over another dataset). A load
+that is refused changes nothing.
 
 The noise key and the sampler's seed are secret: with them anyone holding the file can
 regenerate every step's noise and batches, and subtract the noise. They are left out
@@ -71,23 +73,28 @@ def _check_model(saved: Dict[str, torch.Tensor], model: nn.Module) -> None:
 
 
 def load_state_dict(state: Dict[str, Any], *, model: nn.Module, optimizer, data_loader=None) -> None:
-    """Restore what :func:`state_dict` saved into freshly built ``model``/``optimizer``/``data_loader``."""
+    """Restore what :func:`state_dict` saved into freshly built ``model``/``optimizer``/``data_loader``
+    (default: the optimizer's loader; ``False``: leave the loader alone)."""
     if not isinstance(state, dict) or state.get("format") not in (FORMAT, "fastdp.checkpoint/1"):
         raise ValueError(f"not a fastdp checkpoint (expected format {FORMAT!r})")
     _check_model(state["model"], model)
     optimizer_state = state["optimizer"]
     if "accountant" in state:  # format /1
         optimizer_state = dict(optimizer_state, accountant=state["accountant"])
-    if data_loader is not None and state["data_loader"] is None:
+    if data_loader is False:
+        data_loader = None
+    elif data_loader is not None and state["data_loader"] is None:
         raise ValueError("the checkpoint has no data loader state to restore")
-    if data_loader is None and state["data_loader"] is not None:
+    elif data_loader is None and state["data_loader"] is not None:
         data_loader = optimizer.loader
     elif data_loader is None and optimizer.loader is not None:
         warnings.warn("the checkpoint holds no loader position: the optimizer's loader goes on from where it "
                       "is, and if it was built with the run's seed it repeats the run's batches (the accountant "
                       "would count them as fresh); build it with a fresh seed", UserWarning, stacklevel=2)
+    if data_loader is not None:  # refused before anything changes
+        data_loader.check_state_dict(state["data_loader"])
 
-    optimizer.load_state_dict(optimizer_state)  # first: it refuses a history it cannot continue
+    optimizer.load_state_dict(optimizer_state)  # refuses a history it cannot continue, changing nothing
     model.load_state_dict(state["model"])
     if data_loader is not None:
         data_loader.load_state_dict(state["data_loader"])

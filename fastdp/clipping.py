@@ -68,7 +68,7 @@ class PerLayerClipping:
     """
 
     def __init__(self, max_grad_norm: Union[float, Sequence[float]], params: Sequence[torch.Tensor]):
-        one_per_parameter = (isinstance(max_grad_norm, Sequence) and not isinstance(max_grad_norm, str)
+        one_per_parameter = (isinstance(max_grad_norm, Sequence) and not isinstance(max_grad_norm, (str, bytes))
                              or getattr(max_grad_norm, "ndim", 0) > 0)
         if one_per_parameter:
             bounds = [finite_number(c, f"max_grad_norm[{i}]") for i, c in enumerate(max_grad_norm)]

@@ -23,7 +23,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler
 from torch.utils.data._utils.collate import default_collate
 
 from fastdp.secure import os_entropy
@@ -108,8 +108,8 @@ class PoissonBatchSampler(Sampler[List[int]]):
             self.position += 1
             yield self.batch(n)
 
-    def _settings(self) -> Dict[str, Any]:
-        """What a checkpoint must agree on to continue this sampler's batches."""
+    def _settings(self, state: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+        """What a checkpoint (``state``, when checking one) must agree on to continue this sampler's batches."""
         return {"num_samples": self.num_samples, "sample_rate": self.sample_rate, "secure_mode": self.secure_mode}
 
     def state_dict(self, include_secrets: bool = False) -> Dict[str, Any]:
@@ -119,13 +119,17 @@ class PoissonBatchSampler(Sampler[List[int]]):
             state["seed"] = self.seed
         return state
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
-        for key, value in self._settings().items():
+    def check_state_dict(self, state: Dict[str, Any]) -> None:
+        """Refuse a state this sampler cannot continue (changes nothing)."""
+        for key, value in self._settings(state).items():
             if state.get(key) != value:
                 raise ValueError(
                     f"sampler checkpoint has {key}={state.get(key)!r}, this sampler {value!r}: "
                     "resume with the same dataset, sample rate and mode (data-parallel: number of ranks)"
                 )
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.check_state_dict(state)
         if "seed" in state:
             self.seed = state["seed"]
         self.position = int(state["position"])
@@ -271,6 +275,9 @@ class PoissonDataLoader(DataLoader):
     def state_dict(self, include_secrets: bool = False) -> Dict[str, Any]:
         return dict(self.batch_sampler.state_dict(include_secrets), position=self.ledger.taken)
 
+    def check_state_dict(self, state: Dict[str, Any]) -> None:
+        self.batch_sampler.check_state_dict(state)
+
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.batch_sampler.load_state_dict(state)
         self.ledger.restart(self.batch_sampler.position)
@@ -289,10 +296,13 @@ def _loader_kwargs(data_loader: DataLoader) -> Dict[str, Any]:
 def check_whole_dataset(data_loader: DataLoader) -> None:
     """Refuse a loader whose sampler picks its own examples: Poisson batches are drawn from the
     whole dataset, so that sampler's indices (a split, a shard) would be silently ignored."""
-    if not isinstance(data_loader.sampler, (SequentialSampler, RandomSampler)):
+    picker, batches = data_loader.sampler, data_loader.batch_sampler
+    if batches is not None:  # batch_sampler=...: the indices come from it
+        picker = batches.sampler if type(batches) is BatchSampler else batches
+    if not isinstance(picker, (SequentialSampler, RandomSampler)):
         raise ValueError(
             f"fastdp samples Poisson batches from the loader's whole dataset, so its "
-            f"{type(data_loader.sampler).__name__} would be ignored (its indices, and the sample rate they "
+            f"{type(picker).__name__} would be ignored (its indices, and the sample rate they "
             "imply); give a loader over the examples to train on (torch.utils.data.Subset for a split); for "
             "data-parallel runs give every rank the whole dataset, without a DistributedSampler, to "
             "fastdp.distributed_poisson_loader")

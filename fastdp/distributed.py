@@ -71,8 +71,11 @@ class DistributedPoissonBatchSampler(PoissonBatchSampler):
     def stream(self) -> tuple:
         return (self.rank,)
 
-    def _settings(self):
-        """Global, so that every rank loads the state rank 0 saved (the shards differ in size)."""
+    def _settings(self, state=None):
+        """Global, so that every rank loads the state rank 0 saved (the shards differ in size); an
+        older state, without ``world_size``, holds this rank's shard size and is checked as such."""
+        if state is not None and "world_size" not in state:
+            return super()._settings()
         return {"num_samples": self.global_samples, "world_size": self.world_size,
                 "sample_rate": self.sample_rate, "secure_mode": self.secure_mode}
 

@@ -71,6 +71,7 @@ class GradSampleEngine:
         self.names = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             self.names.setdefault(p, name)
+        self._module_param_ids = {id(p) for p in self.names}
         self.summed: Dict[torch.Tensor, torch.Tensor] = {}
         self.samples_seen = 0  # samples clipped since the last take_sums()
         self.skipped_samples = 0
@@ -83,6 +84,8 @@ class GradSampleEngine:
         # the tensors this backward pass's layer inputs are views of, by id (weak references): with
         # the inputs themselves, what finds the data batch the pass came from (attach_loader)
         self._pass_bases: Dict[int, weakref.ref] = {}
+        # rows of its base each (layer, base tensor) saw in this pass: (first, step, count)
+        self._pass_rows: Dict[tuple, tuple] = {}
         self._owned_grads: Dict[torch.Tensor, tuple] = {}
         # which data batches each backward pass since the last step came from, given its sources
         self.batch_of_pass: Optional[Callable[[Dict[int, weakref.ref]], set]] = None
@@ -129,9 +132,14 @@ class GradSampleEngine:
         plain = type(module).forward
         signature = inspect.signature(plain.__get__(module))
 
+        known = self._module_param_ids
+
         def forward(owner, *args, **kwargs):
             params = rule.trainable(module) if owner is module and torch.is_grad_enabled() else None
-            if not params:
+            # plain also where the layer holds tensors other than the model's parameters
+            # (torch.func.functional_call): autograd then gives them their gradients, and one
+            # reaching a private parameter is refused as written outside its layer
+            if not params or any(id(p) not in known for p in params.values()):
                 return plain(owner, *args, **kwargs)
             if kwargs:  # by the layer's own argument names (nn.Linear(...)(input=x)): passed on by position
                 args, kwargs = signature.bind(*args, **kwargs).args, {}
@@ -153,6 +161,7 @@ class GradSampleEngine:
             self._start_pass(task)
         x = rec.activation[0] if isinstance(rec.activation, tuple) else rec.activation
         if isinstance(x, torch.Tensor):
+            self._check_rows(rec.module, x)
             self._pass_inputs[id(x)] = (weakref.ref(x), x._version)
             if x._base is not None and self.batch_of_pass is not None:  # a view of the batch (nn.Flatten)
                 self._pass_bases[id(x._base)] = weakref.ref(x._base)
@@ -169,12 +178,31 @@ class GradSampleEngine:
 
     def _drop_pass(self) -> None:
         self._pending, self._pass_inputs, self._pass_bases, self._queued_task = [], {}, {}, None
+        self._pass_rows = {}
+
+    def _check_rows(self, module: nn.Module, x: torch.Tensor) -> None:
+        """A layer's calls in one pass are combined sample by sample (by index), so each call must
+        see the same samples: refuse one whose input covers other rows of the same tensor than an
+        earlier call's (a batch sent through the model in chunks inside one backward would have
+        sample i of each chunk clipped together)."""
+        base = x if x._base is None else x._base
+        if x.dim() == 0 or base.dim() == 0 or base.stride(0) <= 0 or x.stride(0) % base.stride(0):
+            return
+        rows = ((x.storage_offset() - base.storage_offset()) // base.stride(0), x.stride(0) // base.stride(0),
+                x.shape[0])
+        if self._pass_rows.setdefault((id(module), id(base)), rows) != rows:
+            raise UnsupportedModuleError(
+                f"layer {self._module_name(module)} saw different samples of one batch tensor in two calls of "
+                "one backward pass (a batch sent through the model in chunks, then one backward): fastdp "
+                "combines a layer's calls sample by sample, so sample i of each chunk would be clipped "
+                "together; call backward() on each chunk's loss (or pass the batch whole)")
 
     # -- after each backward pass ---------------------------------------------------------
     def _finish_backward(self) -> None:
         records, self._pending, self._queued_task = self._pending, [], None
         inputs, self._pass_inputs = self._pass_inputs, {}
         bases, self._pass_bases = self._pass_bases, {}
+        self._pass_rows = {}
         self._check_new_samples(inputs)
         if torch._C._current_autograd_node() is not None:
             # A backward pass run from inside another one's node (reentrant checkpointing): its
@@ -291,7 +319,9 @@ class GradSampleEngine:
             raise UnsupportedModuleError(
                 f"layers saw different batch sizes in one backward pass ({seen}); fastdp "
                 "takes dim 0 of every layer input as the batch dimension (use batch_first=True "
-                "layouts, or permute inputs so the batch comes first)"
+                "layouts, or permute inputs so the batch comes first; give a layer applied to what all "
+                "samples share, such as position embeddings of torch.arange(T), its input expanded to the "
+                "batch: wpe(torch.arange(T).expand(B, T)))"
             )
         return sizes.pop()
 
@@ -350,8 +380,9 @@ class GradSampleEngine:
             name = self.names.get(p, "?")
             raise UnsupportedModuleError(
                 f"parameter '{name}' received a gradient from outside its layer's forward (e.g. "
-                f"F.linear(x, module.weight) or module.weight used directly), which fastdp cannot "
-                "clip per sample; call the module itself instead of reading its parameters"
+                f"F.linear(x, module.weight), module.weight used directly, or torch.func.functional_call "
+                "with tensors computed from it), which fastdp cannot clip per sample; call the module "
+                "itself instead of reading its parameters"
             )
 
     # -- for the optimizer -----------------------------------------------------------------

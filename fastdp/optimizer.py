@@ -16,6 +16,7 @@ populated: autograd skips the unclipped weight gradients entirely.
 from __future__ import annotations
 
 import copy
+import operator
 import os
 import warnings
 from collections import OrderedDict
@@ -100,7 +101,11 @@ class DPOptimizer(torch.optim.Optimizer):
         self._clipping_mode, self._gamma = clipping, gamma
         self.clipping = make_clipping(clipping, max_grad_norm, params, gamma)
         self._max_grad_norm = max_grad_norm
-        self.engine = GradSampleEngine(module, params, self.clipping, loss_reduction, nonfinite)
+        if seed is not None:
+            try:
+                seed = operator.index(seed)
+            except TypeError:
+                raise TypeError(f"seed must be an integer, got {seed!r}") from None
         self._noise_key = (seed if seed is not None else int.from_bytes(os.urandom(8), "little")) & _MASK64
         self._noise_draws = 0  # seeds handed out so far: the next one is a function of (key, draws)
         self.secure_mode = bool(secure_mode)
@@ -110,6 +115,8 @@ class DPOptimizer(torch.optim.Optimizer):
         self._step_hooks: List[Callable[["DPOptimizer"], None]] = []
         self.accountant = None
         self.loader = None  # the Poisson loader whose batches the steps take, once attached
+        # last: it hooks the module, so nothing after it may fail and leave the hooks behind
+        self.engine = GradSampleEngine(module, params, self.clipping, loss_reduction, nonfinite)
 
     # -- what torch.optim.Optimizer users and LR schedulers read --------------------------
     @property
@@ -369,16 +376,18 @@ class DPOptimizer(torch.optim.Optimizer):
         if history is not None and self.accountant is None and getattr(self, "rank", 0) == 0:
             raise ValueError("the state holds an accountant history but this optimizer has no accountant: "
                              "attach one first (make_private or attach_accountant) so that epsilon continues from it")
+        from fastdp.accounting.base import Accountant  # not at import: the package loads SciPy
         restorable = hasattr(self.accountant, "load_state_dict")
-        recorded = history.get("history") if isinstance(history, dict) else history
+        ours = isinstance(self.accountant, Accountant)  # a fastdp accountant: its state's layout is known
+        recorded = history.get("history") if ours and isinstance(history, dict) else history
         if restorable and state_dict["steps"] > 0 and not recorded:
             raise ValueError("the state has steps but no accountant history: epsilon would restart from zero")
         if history is not None and self.accountant is not None and not restorable:
             raise ValueError(f"the state holds an accountant history that {type(self.accountant).__name__} "
                              "cannot load: attach a fastdp accountant")
-        if history is not None and restorable:  # refused here, before anything of this optimizer changed
+        if history is not None and ours:  # refused here, before anything of this optimizer changed
             copy.deepcopy(self.accountant).load_state_dict(history)
-            if getattr(self.accountant, "steps", 0):
+            if self.accountant.steps:
                 warnings.warn(
                     f"loading replaces the {self.accountant.steps} steps this optimizer's accountant recorded "
                     "with the state's history: their privacy cost is forgotten, which is sound only if nothing "

@@ -74,19 +74,33 @@ def validate(module: nn.Module, params: Optional[Iterable[torch.Tensor]] = None)
         )
 
 
+def _like(new: nn.Module, old: nn.Module) -> nn.Module:
+    """``new`` on ``old``'s device and dtype, its parameters frozen where ``old``'s were."""
+    tensors = list(old.parameters()) + list(old.buffers())
+    floats = [t for t in tensors if t.is_floating_point()]
+    if floats:
+        new = new.to(device=floats[0].device, dtype=floats[0].dtype)
+    for name, p in new.named_parameters():
+        was = getattr(old, name, None)
+        if isinstance(was, torch.Tensor):
+            p.requires_grad_(was.requires_grad)
+    return new
+
+
 def _group_norm_for(bn: _BatchNorm) -> nn.GroupNorm:
     channels = bn.num_features
-    return nn.GroupNorm(math.gcd(32, channels), channels, eps=bn.eps, affine=bn.affine)
+    return _like(nn.GroupNorm(math.gcd(32, channels), channels, eps=bn.eps, affine=bn.affine), bn)
 
 
 def fix(module: nn.Module) -> nn.Module:
     """Replace BatchNorm by GroupNorm (gcd(32, C) groups) and stop InstanceNorm from tracking
-    running statistics; returns the module (a new one only when the root itself is replaced)."""
+    running statistics; returns the module (a new one only when the root itself is replaced).
+    Replacements take the old layer's device and dtype, and stay frozen if it was."""
     if isinstance(module, _BatchNorm):
         return _group_norm_for(module)
     if isinstance(module, _InstanceNorm) and module.track_running_stats:
-        fixed = type(module)(module.num_features, eps=module.eps, affine=module.affine,
-                             track_running_stats=False)
+        fixed = _like(type(module)(module.num_features, eps=module.eps, affine=module.affine,
+                                   track_running_stats=False), module)
         if module.affine:
             fixed.load_state_dict({"weight": module.weight, "bias": module.bias}, strict=False)
         return fixed

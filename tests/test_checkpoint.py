@@ -231,3 +231,67 @@ def test_data_parallel_sampler_state_loads_on_every_rank_of_an_uneven_split():
         assert fresh.position == 1
     with pytest.raises(ValueError, match="world_size=2, this sampler 3"):
         DistributedPoissonBatchSampler(5, 0.4, seed=1, rank=0, world_size=3).load_state_dict(state)
+
+
+def test_a_load_refused_for_its_loader_state_changes_nothing_and_the_loader_can_be_left_alone():
+    """With the optimizer's loader restored by default, a loader over another dataset was
+    refused after the optimizer, accountant and model had been loaded (review)."""
+    model, opt, loader = build(seed=5)
+    opt.attach_loader(loader)
+    train(model, opt, loader, 3)
+    state = roundtrip(checkpoint.state_dict(model=model, optimizer=opt))
+    model2, opt2, _ = build(model_seed=1)
+    bigger = poisson_loader(DataLoader(TensorDataset(torch.randn(N + 8, 5), torch.randint(0, 3, (N + 8,))),
+                                       batch_size=BATCH), steps=STEPS_PER_EPOCH)
+    opt2.attach_loader(bigger)
+    before = [p.detach().clone() for p in model2.parameters()]
+    with pytest.raises(ValueError, match="num_samples=40, this sampler 48"):
+        checkpoint.load_state_dict(state, model=model2, optimizer=opt2)
+    assert opt2.steps == 0 and opt2.accountant.steps == 0 and not opt2.state
+    assert all(torch.equal(p, q) for p, q in zip(before, model2.parameters()))
+    checkpoint.load_state_dict(state, model=model2, optimizer=opt2, data_loader=False)
+    assert opt2.steps == 3 and bigger.batch_sampler.position == 0
+
+
+class _OwnFormatAccountant:
+    """An accountant of the user's own, with its own state layout and a lock (not deep-copyable)."""
+
+    def __init__(self):
+        import threading
+        self.count, self.lock = 0, threading.Lock()
+
+    def step(self, *, noise_multiplier, sample_rate):
+        self.count += 1
+
+    def steps(self):  # a method, not a count
+        return self.count
+
+    def state_dict(self):
+        return {"count": self.count}
+
+    def load_state_dict(self, state):
+        self.count = state["count"]
+
+
+def test_an_accountant_of_the_user_s_own_loads_as_before():
+    """The new checks assumed fastdp's state layout and deep-copied the accountant (review)."""
+    import warnings as warnings_module
+    model, opt, loader = build()
+    opt.accountant = _OwnFormatAccountant()
+    train(model, opt, loader, 3)
+    state = roundtrip(opt.state_dict())
+    _, opt2, _ = build()
+    opt2.accountant = _OwnFormatAccountant()
+    with warnings_module.catch_warnings():
+        warnings_module.simplefilter("error")
+        opt2.load_state_dict(state)
+    assert opt2.accountant.count == 3 and opt2.steps == 3
+
+
+def test_a_data_parallel_sampler_state_written_before_global_sizes_still_loads():
+    from fastdp.distributed import DistributedPoissonBatchSampler
+    old = {"position": 2, "num_samples": 20, "sample_rate": 0.2, "secure_mode": False}  # 40 examples, 2 ranks
+    for rank in range(2):
+        sampler = DistributedPoissonBatchSampler(40, 0.2, seed=1, rank=rank, world_size=2)
+        sampler.load_state_dict(old)
+        assert sampler.position == 2

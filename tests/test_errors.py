@@ -379,3 +379,85 @@ def test_reparametrised_weights_are_refused(reparametrise):
     if reparametrise == "prune":
         prune.remove(layer, "weight")
         make(model)  # the fix the message names
+
+
+@pytest.mark.parametrize("split", ["halves", "even/odd"])
+def test_a_batch_sent_in_chunks_then_one_backward_is_refused(split):
+    """A layer's calls in one pass are combined sample by sample: chunks of one batch had sample
+    i of each chunk clipped together (sensitivity 2C), silently where the chunks were equal in
+    size (review). One backward per chunk is exact."""
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    opt = make(model)
+    x = torch.randn(6, 3)
+    chunks = x.chunk(2) if split == "halves" else (x[::2], x[1::2])
+    with pytest.raises(fastdp.UnsupportedModuleError, match="'0' saw different samples .* in chunks"):
+        sum(model(c).square().sum() for c in chunks).backward()
+    opt.zero_grad()
+    for c in chunks:
+        model(c).square().sum().backward()
+    opt.step()
+
+
+def test_a_layer_applied_to_feature_slices_of_each_sample_is_not_taken_for_chunks():
+    from reference import check_exact
+
+    class Halves(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 2)
+
+        def forward(self, x):  # one layer on both halves of every sample's features
+            return self.lin(x[:, :3]) + self.lin(x[:, 3:])
+
+    check_exact(Halves().double(), [torch.randn(5, 6, dtype=torch.float64)])
+
+
+@pytest.mark.parametrize("layer", ["linear", "group_norm", "conv"])
+def test_backward_with_create_graph_through_a_hooked_layer_is_refused(layer):
+    """A gradient penalty through GroupNorm silently lost its term (the fused backward is not
+    differentiable); through Linear it was refused as a gradient 'from outside its layer'
+    (review)."""
+    first = {"linear": nn.Linear(4, 4), "group_norm": nn.GroupNorm(2, 4), "conv": nn.Conv1d(4, 4, 1)}[layer]
+    head = nn.Linear(4, 1)
+    head.requires_grad_(False)
+    model = nn.Sequential(first, nn.Flatten(), head) if layer != "linear" else nn.Sequential(first, head)
+    make(model)
+    x = torch.randn(3, 4, 1) if layer != "linear" else torch.randn(3, 4)
+    x.requires_grad_(True)
+    with pytest.raises(fastdp.UnsupportedModuleError, match=f"create_graph=True.*{type(first).__name__}"):
+        torch.autograd.grad(model(x).sum(), x, create_graph=True)
+
+
+def test_functional_call_with_other_tensors_runs_the_plain_layers():
+    """The hooked layers read the swapped-in tensors and returned no gradient for them: derived
+    weights (MAML) silently trained on zero plus noise (review). Now autograd sees them: a
+    gradient reaching the private parameters is refused, detached copies get theirs."""
+    from torch.func import functional_call
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    opt = make(model)
+    x = torch.randn(5, 3)
+    copies = {k: v.detach().clone().requires_grad_(True) for k, v in model.named_parameters()}
+    functional_call(model, copies, (x,)).sum().backward()
+    assert all(v.grad is not None for v in copies.values()) and not opt.engine.summed
+    derived = {k: 1.5 * v for k, v in model.named_parameters()}
+    functional_call(model, derived, (x,)).sum().backward()
+    with pytest.raises(fastdp.UnsupportedModuleError, match="functional_call"):
+        opt.step()
+
+
+def test_fix_keeps_device_dtype_and_frozen_parameters():
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.InstanceNorm2d(8, affine=True,
+                                                                                   track_running_stats=True)).double()
+    model[1].requires_grad_(False)
+    fixed = fastdp.fix(model)
+    assert all(p.dtype == torch.float64 for p in fixed.parameters())
+    assert [p.requires_grad for p in fixed[1].parameters()] == [False, False]
+    assert all(p.requires_grad for p in fixed[2].parameters())
+    fixed(torch.randn(2, 3, 6, 6, dtype=torch.float64))
+
+
+def test_a_seed_that_is_not_an_integer_is_refused_before_the_module_is_hooked():
+    model = nn.Linear(3, 2)
+    with pytest.raises(TypeError, match="seed must be an integer"):
+        make(model, seed=1.5)
+    make(model, seed=__import__("numpy").int64(7))  # accepted, and the module was left unhooked

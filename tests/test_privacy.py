@@ -388,6 +388,10 @@ def test_a_loader_sampler_make_private_would_ignore_is_refused():
         fastdp.poisson_loader(loader)
     with pytest.raises(ValueError, match="SubsetRandomSampler would be ignored"):
         fastdp.distributed_poisson_loader(loader, seed=0, rank=0, world_size=2)
+    from torch.utils.data import BatchSampler  # the same split given as batch_sampler= (review)
+    batched = DataLoader(data, batch_sampler=BatchSampler(SubsetRandomSampler(range(20)), 4, False))
+    with pytest.raises(ValueError, match="SubsetRandomSampler would be ignored"):
+        fastdp.poisson_loader(batched, sample_rate=0.1)
 
 
 def test_a_batch_size_above_the_dataset_size_is_refused_before_training():
@@ -470,6 +474,12 @@ def test_numeric_settings_accept_numpy_and_tensor_numbers():
     with pytest.raises(ValueError, match="expected_batch_size .* must be a finite number > 0"):
         fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), module=model, noise_multiplier=1.0,
                            max_grad_norm=1.0, expected_batch_size=float("inf"))
+    with pytest.raises(ValueError, match="noise_multiplier must be a finite number >= 0"):
+        fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), module=model, noise_multiplier=10**400,
+                           max_grad_norm=1.0, expected_batch_size=8)
+    with pytest.raises(ValueError, match="max_grad_norm must be a finite number > 0"):
+        fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), module=model, noise_multiplier=1.0,
+                           max_grad_norm=b"\x01" * 4, expected_batch_size=8, clipping="per_layer")
 
 
 def test_fastdp_accounting_is_reachable_after_import_fastdp():

@@ -95,6 +95,12 @@ class Tap:
         accumulates (none under ``torch.autograd.grad`` or ``backward(inputs=...)`` without
         them: such a pass must add no clipped sum). Half-precision tensors are widened to
         float32 so that norms, coefficients and clipped sums accumulate in float32."""
+        if torch.is_grad_enabled():  # backward(create_graph=True): this backward would be differentiated
+            raise UnsupportedModuleError(
+                f"backward(create_graph=True) reached a hooked {type(self.module).__name__}: fastdp's layers "
+                "support no double backward (gradient penalties, higher-order gradients), whose parameter "
+                "gradients would escape per-sample clipping; compute such terms on a model copy "
+                "(copy.deepcopy) or without create_graph")
         params = _accumulated(ctx, self.params)
         if params:
             self.sink(Record(self.module, self.rule, params, _widen(activation), _widen(grad_output),
