@@ -198,20 +198,28 @@ class BatchLedger:
         self.taken = self.stepped_at = taken
         self.closed_once = False  # a step (or a refused one) has closed the count since
         self.handed: Dict[int, tuple] = {}  # id -> (weak reference, batch number)
+        self.samples: Dict[int, int] = {}  # batch number -> samples handed out in it (tensors' dim 0)
 
     def take(self, batch: Any) -> None:
         """A new batch is handed out (``batch``: what the loop receives, or its first chunk)."""
         self.taken += 1
         self.handed = {key: entry for key, entry in self.handed.items() if entry[0]() is not None}
+        self.samples = {n: size for n, size in self.samples.items() if n >= self.stepped_at}
         self.hand_out(batch)
 
     def hand_out(self, batch: Any) -> None:
         """Remember the tensors of ``batch`` (or of a chunk of it), and those they are views of,
-        as batch ``taken``'s (a layer input that is a view has the root tensor as ``_base``)."""
+        as batch ``taken``'s (a layer input that is a view has the root tensor as ``_base``), and
+        how many samples it holds (the largest dim 0 among them)."""
+        size = None
         for t in _tensors_in(batch):
+            if t.dim():
+                size = max(size or 0, t.shape[0])
             for u in (t, t._base):
                 if u is not None:
                     self.handed[id(u)] = (weakref.ref(u), self.taken)
+        if size is not None:
+            self.samples[self.taken] = self.samples.get(self.taken, 0) + size
 
     def batches_of(self, tensors: Dict[int, weakref.ref]) -> set:
         """The batches a backward pass came from: those of the handed-out tensors among
@@ -223,6 +231,15 @@ class BatchLedger:
             if entry is not None and entry[0]() is not None and entry[0]() is ref():
                 found.add(entry[1])
         return found or {self.taken}
+
+    def samples_since_step(self, batches: set) -> Optional[int]:
+        """How many samples the loader handed out since the last step, if known: at most what a
+        backward pass on ``batches`` (its :meth:`batches_of`) can hold, one row each. None for a
+        pass on an earlier step's batch, which :meth:`close_step` refuses."""
+        if any(n <= self.stepped_at for n in batches):
+            return None
+        sizes = [size for n, size in self.samples.items() if n > self.stepped_at]
+        return sum(sizes) if sizes else None
 
     def close_step(self, pass_batches: set) -> None:
         """Check, at a step, that it took exactly one new batch: ``pass_batches`` are the

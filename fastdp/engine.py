@@ -89,6 +89,7 @@ class GradSampleEngine:
         self._owned_grads: Dict[torch.Tensor, tuple] = {}
         # which data batches each backward pass since the last step came from, given its sources
         self.batch_of_pass: Optional[Callable[[Dict[int, weakref.ref]], set]] = None
+        self.samples_handed: Optional[Callable[[set], Optional[int]]] = None  # by the loader since the last step
         self.pass_batches: set = set()
         self._patched: List[nn.Module] = []
         self.adopt_current_grads()
@@ -188,6 +189,12 @@ class GradSampleEngine:
         base = x if x._base is None else x._base
         if x.dim() == 0 or base.dim() == 0 or base.stride(0) <= 0 or x.stride(0) % base.stride(0):
             return
+        # not row blocks of the base: broadcast (stride 0), one element of its dim 0 (base[t], e.g.
+        # outputs stacked time-first), or rows spanning several of its rows (a token stream viewed as
+        # (B, T)): no sample correspondence to check
+        span = sum((n - 1) * abs(st) for n, st in zip(x.shape[1:], x.stride()[1:]))
+        if x.stride(0) == 0 or x.shape == base.shape[1:] or span >= base.stride(0):
+            return
         rows = ((x.storage_offset() - base.storage_offset()) // base.stride(0), x.stride(0) // base.stride(0),
                 x.shape[0])
         if self._pass_rows.setdefault((id(module), id(base)), rows) != rows:
@@ -195,7 +202,9 @@ class GradSampleEngine:
                 f"layer {self._module_name(module)} saw different samples of one batch tensor in two calls of "
                 "one backward pass (a batch sent through the model in chunks, then one backward): fastdp "
                 "combines a layer's calls sample by sample, so sample i of each chunk would be clipped "
-                "together; call backward() on each chunk's loss (or pass the batch whole)")
+                "together; call backward() on each chunk's loss (or pass the batch whole). Two views of each "
+                "sample concatenated on dim 0 (torch.cat([v1, v2])) count as two samples: pass them as separate "
+                "tensors, or stacked on dim 1")
 
     # -- after each backward pass ---------------------------------------------------------
     def _finish_backward(self) -> None:
@@ -219,6 +228,10 @@ class GradSampleEngine:
         if batch == 0:  # an empty (Poisson) batch: nothing to clip, the step adds noise only
             return
         scale = float(batch) if self.loss_reduction == "mean" else 1.0
+        found = None
+        if self.batch_of_pass is not None:
+            found = self.batch_of_pass({**{key: ref for key, (ref, _) in inputs.items()}, **bases})
+            self._check_rows_per_sample(batch, self.samples_handed(found))
 
         # each private parameter's uses (record, name), keyed by id (Tensor.__hash__ is Python)
         uses: Dict[int, List[tuple]] = {}
@@ -264,8 +277,20 @@ class GradSampleEngine:
         for p, grads in shared.items():
             self._accumulate(p, weighted_sum(coef_of(p), grads))
         self.samples_seen += batch
-        if self.batch_of_pass is not None:
-            self.pass_batches.update(self.batch_of_pass({**{key: ref for key, (ref, _) in inputs.items()}, **bases}))
+        if found is not None:
+            self.pass_batches.update(found)
+
+    @staticmethod
+    def _check_rows_per_sample(rows: int, samples: Optional[int]) -> None:
+        """The layers' dim 0 (``rows``) may not exceed the samples the loader handed out since the
+        last step: each sample must be one row, or it is clipped as several."""
+        if samples is not None and rows > samples:
+            raise UnsupportedModuleError(
+                f"this backward pass's layers saw {rows} rows (dim 0) but the loader handed out {samples} "
+                f"samples since the last step: each sample must be one row of every layer input, or its rows are clipped "
+                "as separate samples. Two views of each sample concatenated on dim 0 (torch.cat([v1, v2])) "
+                "count as two: stack them on dim 1 or pass them as separate tensors; keep (B, T, ...) layouts "
+                "rather than flattening tokens into rows; data from outside the loader is not covered")
 
     def _check_new_samples(self, inputs: Dict[int, tuple]) -> None:
         """Each backward pass before a step adds its samples' clipped sums, so it must see new
@@ -321,7 +346,8 @@ class GradSampleEngine:
                 "takes dim 0 of every layer input as the batch dimension (use batch_first=True "
                 "layouts, or permute inputs so the batch comes first; give a layer applied to what all "
                 "samples share, such as position embeddings of torch.arange(T), its input expanded to the "
-                "batch: wpe(torch.arange(T).expand(B, T)))"
+                "batch: wpe(torch.arange(T).expand(B, T)); route samples to layers by dense masking, "
+                "expert(h) * mask, not by selecting rows, expert(h[mask]))"
             )
         return sizes.pop()
 

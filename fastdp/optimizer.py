@@ -61,6 +61,7 @@ class DPOptimizer(torch.optim.Optimizer):
         expected_batch_size: the divisor of the noisy sum (Poisson: q * dataset size).
         loss_reduction: "mean" or "sum", how the loss reduces over the batch.
         clipping: "flat" (default), "per_layer" or "automatic" (Bu et al., ``C/(|g|+gamma)``).
+        gamma: automatic clipping's stability constant (default 0.01).
         nonfinite: "raise" (default) or "skip" samples whose gradient has NaN/Inf.
         seed: seeds the noise for reproducible runs; ``None`` draws one from OS entropy.
         secure_mode: draw the noise with :func:`fastdp.secure.secure_noisy_average` (fresh
@@ -222,7 +223,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if not ledger.closed_once:
             ledger.restart(ledger.taken)
         self.loader = loader
-        self.engine.batch_of_pass = ledger.batches_of
+        self.engine.batch_of_pass, self.engine.samples_handed = ledger.batches_of, ledger.samples_since_step
 
     def _check_one_batch_per_step(self) -> None:
         if self.loader is not None:

@@ -461,3 +461,55 @@ def test_a_seed_that_is_not_an_integer_is_refused_before_the_module_is_hooked():
     with pytest.raises(TypeError, match="seed must be an integer"):
         make(model, seed=1.5)
     make(model, seed=__import__("numpy").int64(7))  # accepted, and the module was left unhooked
+
+
+def test_selects_along_dim_0_broadcasts_and_token_streams_are_not_taken_for_chunks():
+    """False refusals of the chunk check (review): a layer on outputs stacked time-first
+    (seq[t], refused at B = 1), an HF-style position_ids buffer sliced at two offsets, and a
+    batch that is a (B, T) view of a 1-D token stream. All exact."""
+    from reference import check_exact
+
+    class TimeFirst(nn.Module):  # a second layer over the first's outputs stacked time-first
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 4), nn.Linear(4, 2)
+
+        def forward(self, x):  # x (B, T, 3)
+            seq = torch.stack([torch.tanh(self.a(x[:, t])) for t in range(x.shape[1])])
+            return sum(self.b(seq[t]) for t in range(seq.shape[0]))
+
+    class Segments(nn.Module):  # one position table read at two offsets, through a buffer view
+        def __init__(self):
+            super().__init__()
+            self.wpe, self.head = nn.Embedding(8, 3), nn.Linear(3, 2)
+            self.register_buffer("position_ids", torch.arange(8).unsqueeze(0))
+
+        def forward(self, x):  # x (B, 6, 3)
+            b = x.shape[0]
+            first = x[:, :3] + self.wpe(self.position_ids[:, 0:3].expand(b, 3))
+            second = x[:, 3:] + self.wpe(self.position_ids[:, 3:6].expand(b, 3))
+            return self.head(torch.cat([first, second], 1))
+
+    for batch in (1, 3):
+        check_exact(TimeFirst().double(), [torch.randn(batch, 4, 3, dtype=torch.float64)])
+        check_exact(Segments().double(), [torch.randn(batch, 6, 3, dtype=torch.float64)])
+    stream = torch.randint(0, 5, (40,))
+    check_exact(nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 2)).double(), [stream[8:26].view(3, 6)])
+
+
+def test_a_pass_with_more_rows_than_its_loader_batch_has_samples_is_refused():
+    """Two views of each sample concatenated on dim 0 were clipped as two samples (sensitivity
+    2C), silently (review): with a loader attached the rows are compared with the batch."""
+    from torch.utils.data import DataLoader, TensorDataset
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    loader = DataLoader(TensorDataset(torch.randn(40, 3)), batch_size=8)
+    model, opt, loader = fastdp.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                             data_loader=loader, max_grad_norm=1.0, noise_multiplier=1.0, seed=0)
+    batches = iter(loader)
+    (x,) = next(batches)
+    assert len(x)
+    with pytest.raises(fastdp.UnsupportedModuleError, match=f"saw {2 * len(x)} rows .* handed out {len(x)} samples since the last step"):
+        model(torch.cat([x, x + 0.1])).square().sum().backward()
+    opt.zero_grad()
+    model(torch.stack([x, x + 0.1], 1)).square().sum().backward()  # views on dim 1: one row per sample
+    opt.step()

@@ -4,7 +4,7 @@ Conventions shared by every accountant in :mod:`fastdp.accounting`:
 
 * One DP-SGD step is the Poisson-subsampled Gaussian mechanism: every example is
   included independently with probability ``sample_rate`` (q), the clipped gradient
-  sum (L2 sensitivity 1 after clipping to norm C) gets N(0, (sigma*C)^2) noise, so only
+  sum (L2 sensitivity C, i.e. 1 in units of C) gets N(0, (sigma*C)^2) noise, so only
   ``noise_multiplier`` (sigma) and q matter.
 * Neighbouring datasets differ by adding or removing one example ("add/remove"
   adjacency); the reported epsilon covers both directions.
