@@ -76,6 +76,7 @@ class PoissonBatchSampler(Sampler[List[int]]):
         self.secure_mode = bool(secure_mode)
         self.seed = None if secure_mode else (os_entropy(128) if seed is None else int(seed))
         self.position = 0
+        self.sizes: Deque[int] = deque(maxlen=4096)  # sizes of the batches drawn, for the loader to pop
 
     @property
     def stream(self) -> tuple:
@@ -106,7 +107,9 @@ class PoissonBatchSampler(Sampler[List[int]]):
         while self.position < end:
             n = self.position
             self.position += 1
-            yield self.batch(n)
+            indices = self.batch(n)
+            self.sizes.append(len(indices))
+            yield indices
 
     def _settings(self, state: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
         """What a checkpoint (``state``, when checking one) must agree on to continue this sampler's batches."""
@@ -144,8 +147,8 @@ def _empty_like(batch: Any) -> Any:
         items = {k: _empty_like(v) for k, v in batch.items()}
         return items if type(batch) is dict else type(batch)(items)
     if isinstance(batch, (list, tuple)):
-        if isinstance(batch, list) and all(isinstance(v, (str, bytes)) for v in batch):
-            return []  # per-example strings
+        if not hasattr(batch, "_fields") and all(isinstance(v, (str, bytes)) for v in batch):
+            return type(batch)()  # per-example strings (default_collate keeps them as a list or tuple)
         items = [_empty_like(v) for v in batch]
         return type(batch)(items) if not hasattr(batch, "_fields") else type(batch)(*items)
     raise TypeError(
@@ -198,48 +201,52 @@ class BatchLedger:
         self.taken = self.stepped_at = taken
         self.closed_once = False  # a step (or a refused one) has closed the count since
         self.handed: Dict[int, tuple] = {}  # id -> (weak reference, batch number)
-        self.samples: Dict[int, int] = {}  # batch number -> samples handed out in it (tensors' dim 0)
+        self.last_chunk: Optional[int] = None  # samples in the batch (or chunk) handed out last
 
-    def take(self, batch: Any) -> None:
-        """A new batch is handed out (``batch``: what the loop receives, or its first chunk)."""
+    def take(self, batch: Any, size: Optional[int] = None) -> None:
+        """A new batch is handed out (``batch``: what the loop receives, or its first chunk, of
+        ``size`` samples: the length of its index list)."""
         self.taken += 1
         self.handed = {key: entry for key, entry in self.handed.items() if entry[0]() is not None}
-        self.samples = {n: size for n, size in self.samples.items() if n >= self.stepped_at}
-        self.hand_out(batch)
+        self.hand_out(batch, size)
 
-    def hand_out(self, batch: Any) -> None:
-        """Remember the tensors of ``batch`` (or of a chunk of it), and those they are views of,
-        as batch ``taken``'s (a layer input that is a view has the root tensor as ``_base``), and
-        how many samples it holds (the largest dim 0 among them)."""
-        size = None
+    def hand_out(self, batch: Any, size: Optional[int] = None) -> None:
+        """Remember the tensors of ``batch`` (or of a chunk of it, of ``size`` samples), and those
+        they are views of, as batch ``taken``'s (a layer input that is a view has the root tensor
+        as ``_base``)."""
+        self.last_chunk = size
         for t in _tensors_in(batch):
-            if t.dim():
-                size = max(size or 0, t.shape[0])
             for u in (t, t._base):
                 if u is not None:
                     self.handed[id(u)] = (weakref.ref(u), self.taken)
-        if size is not None:
-            self.samples[self.taken] = self.samples.get(self.taken, 0) + size
 
-    def batches_of(self, tensors: Dict[int, weakref.ref]) -> set:
-        """The batches a backward pass came from: those of the handed-out tensors among
-        ``tensors`` (id -> weak reference: the inputs its layers saw), else the last one taken
-        (data transformed on its way to the first layer cannot be traced)."""
+    def traced_batches(self, tensors: Dict[int, weakref.ref]) -> set:
+        """The batches of the handed-out tensors among ``tensors`` (id -> weak reference: the
+        inputs a backward pass's layers saw, and what they are views of)."""
         found = set()
         for key, ref in tensors.items():
             entry = self.handed.get(key)
             if entry is not None and entry[0]() is not None and entry[0]() is ref():
                 found.add(entry[1])
-        return found or {self.taken}
+        return found
 
-    def samples_since_step(self, batches: set) -> Optional[int]:
-        """How many samples the loader handed out since the last step, if known: at most what a
-        backward pass on ``batches`` (its :meth:`batches_of`) can hold, one row each. None for a
-        pass on an earlier step's batch, which :meth:`close_step` refuses."""
-        if any(n <= self.stepped_at for n in batches):
+    def batches_of(self, traced: set) -> set:
+        """The batches a backward pass came from: those it was traced to, else the last one
+        taken (data transformed on its way to the first layer cannot be traced)."""
+        return traced or {self.taken}
+
+    def is_batch_tensor(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is a tensor the loader handed out (its dim 0 is the samples)."""
+        entry = self.handed.get(id(t))
+        return entry is not None and entry[0]() is t
+
+    def samples_in_pass(self, batches: set) -> Optional[int]:
+        """How many samples a backward pass on ``batches`` (its :meth:`batches_of`) can hold, one
+        row each: those of the batch or chunk handed out last, if known. None where
+        :meth:`close_step` refuses the step anyway (an earlier step's batch, or several)."""
+        if any(n <= self.stepped_at for n in batches) or self.taken - self.stepped_at > 1:
             return None
-        sizes = [size for n, size in self.samples.items() if n > self.stepped_at]
-        return sum(sizes) if sizes else None
+        return self.last_chunk
 
     def close_step(self, pass_batches: set) -> None:
         """Check, at a step, that it took exactly one new batch: ``pass_batches`` are the
@@ -285,8 +292,10 @@ class PoissonDataLoader(DataLoader):
 
     def __iter__(self):
         self.batch_sampler.position = self.ledger.taken
+        sizes = self.batch_sampler.sizes
+        sizes.clear()  # batches an earlier iteration drew ahead and never handed out
         for batch in super().__iter__():
-            self.ledger.take(batch)
+            self.ledger.take(batch, sizes.popleft() if sizes else None)
             yield batch
 
     def state_dict(self, include_secrets: bool = False) -> Dict[str, Any]:
@@ -355,9 +364,9 @@ def poisson_loader(data_loader: DataLoader, sample_rate: Optional[float] = None,
 
 class _ChunkSampler(Sampler[List[int]]):
     """Cuts every batch of ``batch_sampler`` into chunks of at most ``size`` indices (an empty
-    batch gives one empty chunk) and queues, per chunk, whether it ends its batch."""
+    batch gives one empty chunk) and queues, per chunk, whether it ends its batch and its size."""
 
-    def __init__(self, batch_sampler: Sampler[List[int]], size: int, ends: Deque[bool]):
+    def __init__(self, batch_sampler: Sampler[List[int]], size: int, ends: Deque[tuple]):
         self.batch_sampler, self.size, self.ends = batch_sampler, size, ends
 
     def __len__(self) -> int:
@@ -371,8 +380,9 @@ class _ChunkSampler(Sampler[List[int]]):
             batch = list(batch)
             starts = range(0, len(batch), self.size) if batch else [0]
             for start in starts:
-                self.ends.append(start + self.size >= len(batch))
-                yield batch[start:start + self.size]
+                chunk = batch[start:start + self.size]
+                self.ends.append((start + self.size >= len(batch), len(chunk)))
+                yield chunk
 
 
 class BatchMemoryManager:
@@ -399,7 +409,7 @@ class BatchMemoryManager:
         if data_loader.batch_sampler is None:
             raise ValueError("BatchMemoryManager needs a data loader with a batch sampler (batch_size or batch_sampler)")
         self.data_loader, self.optimizer = data_loader, optimizer
-        self._ends: Deque[bool] = deque()
+        self._ends: Deque[tuple] = deque()
         self._chunks = DataLoader(
             data_loader.dataset,
             batch_sampler=_ChunkSampler(data_loader.batch_sampler, int(max_physical_batch_size), self._ends),
@@ -426,11 +436,12 @@ class BatchMemoryManager:
         last, finished = True, False
         try:
             for chunk in self._chunks:
-                if poisson and last:  # the first chunk of a batch: the batch is taken
-                    source.ledger.take(chunk)
+                first = last
+                last, size = self._ends.popleft()
+                if poisson and first:  # the first chunk of a batch: the batch is taken
+                    source.ledger.take(chunk, size)
                 elif poisson:
-                    source.ledger.hand_out(chunk)
-                last = self._ends.popleft()
+                    source.ledger.hand_out(chunk, size)
                 self.optimizer.signal_skip_step(not last)
                 yield chunk
             finished = True

@@ -23,7 +23,7 @@ import types
 import warnings
 import weakref
 from collections import defaultdict
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -88,8 +88,8 @@ class GradSampleEngine:
         self._pass_rows: Dict[tuple, tuple] = {}
         self._owned_grads: Dict[torch.Tensor, tuple] = {}
         # which data batches each backward pass since the last step came from, given its sources
-        self.batch_of_pass: Optional[Callable[[Dict[int, weakref.ref]], set]] = None
-        self.samples_handed: Optional[Callable[[set], Optional[int]]] = None  # by the loader since the last step
+        self.ledger = None  # the attached Poisson loader's BatchLedger (fastdp.data), if any
+        self._warned_rows = False
         self.pass_batches: set = set()
         self._patched: List[nn.Module] = []
         self.adopt_current_grads()
@@ -164,7 +164,7 @@ class GradSampleEngine:
         if isinstance(x, torch.Tensor):
             self._check_rows(rec.module, x)
             self._pass_inputs[id(x)] = (weakref.ref(x), x._version)
-            if x._base is not None and self.batch_of_pass is not None:  # a view of the batch (nn.Flatten)
+            if x._base is not None and self.ledger is not None:  # a view of the batch (nn.Flatten)
                 self._pass_bases[id(x._base)] = weakref.ref(x._base)
         rec.rule.prepare(rec)
         self._pending.append(rec)
@@ -189,6 +189,8 @@ class GradSampleEngine:
         base = x if x._base is None else x._base
         if x.dim() == 0 or base.dim() == 0 or base.stride(0) <= 0 or x.stride(0) % base.stride(0):
             return
+        if x.shape[0] == 1 and (self.ledger is None or not self.ledger.is_batch_tensor(base)):
+            return  # one row: its strides cannot tell the base's dim 0 from another of size 1
         # not row blocks of the base: broadcast (stride 0), one element of its dim 0 (base[t], e.g.
         # outputs stacked time-first), or rows spanning several of its rows (a token stream viewed as
         # (B, T)): no sample correspondence to check
@@ -229,9 +231,10 @@ class GradSampleEngine:
             return
         scale = float(batch) if self.loss_reduction == "mean" else 1.0
         found = None
-        if self.batch_of_pass is not None:
-            found = self.batch_of_pass({**{key: ref for key, (ref, _) in inputs.items()}, **bases})
-            self._check_rows_per_sample(batch, self.samples_handed(found))
+        if self.ledger is not None:
+            traced = self.ledger.traced_batches({**{key: ref for key, (ref, _) in inputs.items()}, **bases})
+            found = self.ledger.batches_of(traced)
+            self._check_rows_per_sample(batch, self.ledger.samples_in_pass(found), bool(traced))
 
         # each private parameter's uses (record, name), keyed by id (Tensor.__hash__ is Python)
         uses: Dict[int, List[tuple]] = {}
@@ -280,17 +283,24 @@ class GradSampleEngine:
         if found is not None:
             self.pass_batches.update(found)
 
-    @staticmethod
-    def _check_rows_per_sample(rows: int, samples: Optional[int]) -> None:
-        """The layers' dim 0 (``rows``) may not exceed the samples the loader handed out since the
-        last step: each sample must be one row, or it is clipped as several."""
-        if samples is not None and rows > samples:
-            raise UnsupportedModuleError(
-                f"this backward pass's layers saw {rows} rows (dim 0) but the loader handed out {samples} "
-                f"samples since the last step: each sample must be one row of every layer input, or its rows are clipped "
-                "as separate samples. Two views of each sample concatenated on dim 0 (torch.cat([v1, v2])) "
-                "count as two: stack them on dim 1 or pass them as separate tensors; keep (B, T, ...) layouts "
-                "rather than flattening tokens into rows; data from outside the loader is not covered")
+    def _check_rows_per_sample(self, rows: int, samples: Optional[int], traced: bool) -> None:
+        """The layers' dim 0 (``rows``) may not exceed the samples of the batch or chunk the
+        loader handed out last: each sample must be one row, or it is clipped as several.
+        Refused where the pass is traced to the loader's tensors; else (data the loader did not
+        hand out, e.g. a GAN's generated batch, or views concatenated) a warning, once."""
+        if samples is None or rows <= samples:
+            return
+        what = (f"this backward pass's layers saw {rows} rows (dim 0) but the loader's last batch (or chunk) holds "
+                f"{samples} samples: each sample must be one row of every layer input, or its rows are clipped as "
+                "separate samples. Two views of each sample concatenated on dim 0 (torch.cat([v1, v2])) count as "
+                "two: stack them on dim 1 or pass them as separate tensors; keep (B, T, ...) layouts rather than "
+                "flattening tokens into rows")
+        if traced:
+            raise UnsupportedModuleError(what)
+        if not self._warned_rows:
+            self._warned_rows = True
+            warnings.warn(what + " (ignore this for data that does not come from the private dataset, such as a "
+                          "GAN's generated samples)", UserWarning, stacklevel=2)
 
     def _check_new_samples(self, inputs: Dict[int, tuple]) -> None:
         """Each backward pass before a step adds its samples' clipped sums, so it must see new

@@ -223,7 +223,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if not ledger.closed_once:
             ledger.restart(ledger.taken)
         self.loader = loader
-        self.engine.batch_of_pass, self.engine.samples_handed = ledger.batches_of, ledger.samples_since_step
+        self.engine.ledger = ledger
 
     def _check_one_batch_per_step(self) -> None:
         if self.loader is not None:

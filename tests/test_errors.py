@@ -498,18 +498,23 @@ def test_selects_along_dim_0_broadcasts_and_token_streams_are_not_taken_for_chun
 
 
 def test_a_pass_with_more_rows_than_its_loader_batch_has_samples_is_refused():
-    """Two views of each sample concatenated on dim 0 were clipped as two samples (sensitivity
-    2C), silently (review): with a loader attached the rows are compared with the batch."""
+    """Each sample must be one row: rows of a batch tensor split further (tokens flattened into
+    rows) are refused; two views of each sample concatenated on dim 0 (untraceable: a new
+    tensor) warn, as data from outside the loader would (review: clipped as two samples,
+    silently). The samples are counted from the sampler's index lists."""
     from torch.utils.data import DataLoader, TensorDataset
-    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
-    loader = DataLoader(TensorDataset(torch.randn(40, 3)), batch_size=8)
+    model = nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 2))
+    loader = DataLoader(TensorDataset(torch.randn(40, 4)), batch_size=8)
     model, opt, loader = fastdp.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                              data_loader=loader, max_grad_norm=1.0, noise_multiplier=1.0, seed=0)
     batches = iter(loader)
     (x,) = next(batches)
     assert len(x)
-    with pytest.raises(fastdp.UnsupportedModuleError, match=f"saw {2 * len(x)} rows .* handed out {len(x)} samples since the last step"):
-        model(torch.cat([x, x + 0.1])).square().sum().backward()
+    with pytest.raises(fastdp.UnsupportedModuleError, match=f"saw {2 * len(x)} rows .* holds {len(x)} samples"):
+        model(x.view(-1, 2)).square().sum().backward()
     opt.zero_grad()
-    model(torch.stack([x, x + 0.1], 1)).square().sum().backward()  # views on dim 1: one row per sample
+    with pytest.warns(UserWarning, match=f"saw {2 * len(x)} rows .* GAN"):
+        model(torch.cat([x[:, :2], x[:, 2:]])).square().sum().backward()
+    opt.zero_grad()
+    model(torch.stack([x[:, :2], x[:, 2:]], 1)).square().sum().backward()  # views on dim 1: one row per sample
     opt.step()

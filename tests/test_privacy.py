@@ -1,6 +1,7 @@
 """make_private: calibration, the accountant it attaches, sampling and argument errors."""
 import itertools
 import math
+import warnings
 
 import pytest
 import torch
@@ -348,7 +349,7 @@ def test_an_optimizer_rebuilt_mid_epoch_continues_the_loader_s_count():
     assert rebuilt.steps == 1
 
 
-@pytest.mark.parametrize("kind", ["userdict", "numpy", "strings", "object"])
+@pytest.mark.parametrize("kind", ["userdict", "numpy", "strings", "string tuple", "object"])
 def test_empty_batches_hold_no_example_whatever_the_collate(kind):
     """An empty Poisson batch was the dataset's first example wherever the collate returned a
     type the emptying did not know (a UserDict such as HF's BatchEncoding, numpy): trained on
@@ -362,6 +363,7 @@ def test_empty_batches_hold_no_example_whatever_the_collate(kind):
     collate = {"userdict": lambda b: collections.UserDict(x=torch.stack([e[0] for e in b])),
                "numpy": lambda b: np.stack([e[0].numpy() for e in b]),
                "strings": lambda b: [f"s{int(e[1])}" for e in b],
+               "string tuple": lambda b: tuple(f"s{int(e[1])}" for e in b),  # default_collate of str fields
                "object": lambda b: object()}[kind]
     safe = EmptySafeCollate(data, collate)
     if kind == "object":
@@ -504,3 +506,49 @@ def test_fixed_size_batches_calibrate_for_the_loader_s_steps():
             nn.functional.cross_entropy(model(x), y).backward()
             opt.step()
     assert opt.steps == 15 and opt.epsilon(1e-5) <= 2.0
+
+
+def test_samples_are_counted_from_the_sampler_not_from_the_tensors():
+    """The rows check counted a batch's samples as its tensors' largest dim 0: a time-first
+    collate (T, B) was refused whenever T < B, and a packed 1-D token tensor passed as one
+    sample per token (one example moved the update by 3.4 C) (review)."""
+    from torch.nn.utils.rnn import pad_sequence
+    torch.manual_seed(0)
+    seqs = [torch.randint(1, 6, (int(n),)) for n in torch.randint(2, 5, (30,))]
+    lm = nn.Sequential(nn.Embedding(6, 3), nn.Linear(3, 2))
+
+    def time_first(batch):
+        return pad_sequence(batch) if batch else torch.zeros(1, 0, dtype=torch.long)  # (T, B)
+
+    loader = DataLoader(seqs, batch_size=10, collate_fn=time_first)
+    lm, opt, loader = fastdp.make_private(module=lm, optimizer=torch.optim.SGD(lm.parameters(), lr=0.1),
+                                          data_loader=loader, max_grad_norm=1.0, noise_multiplier=1.0, seed=0)
+    for ids in itertools.islice(loader, 6):
+        opt.zero_grad()
+        lm(ids.T.contiguous()).sum().backward()  # batch first: one row per sample
+        opt.step()
+
+    def packed(batch):
+        return torch.cat(batch) if batch else torch.zeros(0, dtype=torch.long)  # tokens of all samples, 1-D
+
+    flat = nn.Sequential(nn.Embedding(6, 3), nn.Linear(3, 2))
+    loader = DataLoader(seqs, batch_size=10, collate_fn=packed)
+    flat, opt, loader = fastdp.make_private(module=flat, optimizer=torch.optim.SGD(flat.parameters(), lr=0.1),
+                                            data_loader=loader, max_grad_norm=1.0, noise_multiplier=1.0, seed=0)
+    tokens = next(t for t in loader if len(t))
+    with pytest.raises(fastdp.UnsupportedModuleError, match="rows .* each sample must be one row"):
+        flat(tokens).sum().backward()
+
+
+def test_a_batch_from_outside_the_loader_in_its_own_pass_is_not_refused():
+    """A GAN discriminator's generated batch (fixed size) next to a smaller Poisson batch was
+    refused at random steps (review): data the loader did not hand out only warns."""
+    model, opt, loader = _private(n=40, batch_size=4)
+    for x, y in itertools.islice(loader, 5):
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y, reduction="sum").backward() if len(x) else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model(torch.randn(12, 3)).sum().backward()  # generated samples: independent of the data
+        opt.step()
+    assert opt.steps == 5
