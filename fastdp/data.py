@@ -77,6 +77,7 @@ class PoissonBatchSampler(Sampler[List[int]]):
         self.seed = None if secure_mode else (os_entropy(128) if seed is None else int(seed))
         self.position = 0
         self.sizes: Deque[int] = deque(maxlen=4096)  # sizes of the batches drawn, for the loader to pop
+        self.generation = 0  # bumped by each new loop over a loader of this sampler, and by a resume
 
     @property
     def stream(self) -> tuple:
@@ -291,10 +292,12 @@ class PoissonDataLoader(DataLoader):
         return self.ledger.taken
 
     def __iter__(self):
-        self.batch_sampler.position = self.ledger.taken
-        sizes = self.batch_sampler.sizes
+        sampler = self.batch_sampler
+        mine = _new_loop(sampler, self.ledger)
+        sizes = sampler.sizes
         sizes.clear()  # batches an earlier iteration drew ahead and never handed out
         for batch in super().__iter__():
+            _check_current(sampler, mine)
             self.ledger.take(batch, sizes.popleft() if sizes else None)
             yield batch
 
@@ -306,7 +309,25 @@ class PoissonDataLoader(DataLoader):
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         self.batch_sampler.load_state_dict(state)
+        self.batch_sampler.generation += 1  # loops begun before the resume must not go on
         self.ledger.restart(self.batch_sampler.position)
+
+
+def _new_loop(sampler: PoissonBatchSampler, ledger: BatchLedger) -> int:
+    """Start a loop over ``sampler``'s batches from the ledger's count; returns its generation.
+    An older loop's iterator stops: it holds batches drawn ahead (by workers) that the new loop
+    draws again, so going on with it would train on them twice."""
+    sampler.generation += 1
+    sampler.position = ledger.taken
+    return sampler.generation
+
+
+def _check_current(sampler: PoissonBatchSampler, generation: int) -> None:
+    if sampler.generation != generation:
+        raise RuntimeError(
+            "a newer loop over this Poisson loader (or a load_state_dict) has begun since this iterator was "
+            "created: its batches drawn ahead would be trained on twice. Take batches from the newest loop only "
+            "(iter(loader) again, or the BatchMemoryManager)")
 
 
 def _loader_kwargs(data_loader: DataLoader) -> Dict[str, Any]:
@@ -431,11 +452,13 @@ class BatchMemoryManager:
         source = self.data_loader
         poisson = isinstance(source, PoissonDataLoader)
         if poisson:
-            source.batch_sampler.position = source.ledger.taken
+            mine = _new_loop(source.batch_sampler, source.ledger)
         self._ends.clear()
         last, finished = True, False
         try:
             for chunk in self._chunks:
+                if poisson:
+                    _check_current(source.batch_sampler, mine)
                 first = last
                 last, size = self._ends.popleft()
                 if poisson and first:  # the first chunk of a batch: the batch is taken

@@ -552,3 +552,27 @@ def test_a_batch_from_outside_the_loader_in_its_own_pass_is_not_refused():
             model(torch.randn(12, 3)).sum().backward()  # generated samples: independent of the data
         opt.step()
     assert opt.steps == 5
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_iterator_left_behind_by_a_newer_loop_stops(workers):
+    """A loop kept alive across another loop on the same loader went on after it: with workers
+    it handed out the batches it had drawn ahead, which the newer loop had drawn and trained on
+    again (the same Poisson batches stepped twice, counted as fresh), and its batches' sizes were
+    another batch's (review)."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    data = DataLoader(TensorDataset(torch.randn(40, 3), torch.randint(0, 2, (40,))), batch_size=8,
+                      num_workers=workers)
+    model, opt, loader = fastdp.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                             data_loader=data, max_grad_norm=1.0, noise_multiplier=1.0, seed=0)
+    old = iter(loader)
+    _step_on(model, opt, *next(old))
+    for x, y in itertools.islice(loader, 2):  # a newer loop
+        _step_on(model, opt, x, y)
+    with pytest.raises(RuntimeError, match="a newer loop over this Poisson loader"):
+        next(old)
+    assert opt.steps == opt.accountant.steps == 3
+    for x, y in itertools.islice(loader, 1):  # the newest loop goes on
+        _step_on(model, opt, x, y)
+    assert opt.steps == 4
