@@ -245,9 +245,13 @@ class BatchLedger:
         """How many samples a backward pass on ``batches`` (its :meth:`batches_of`) can hold, one
         row each: those of the batch or chunk handed out last, if known. None where
         :meth:`close_step` refuses the step anyway (an earlier step's batch, or several)."""
-        if any(n <= self.stepped_at for n in batches) or self.taken - self.stepped_at > 1:
+        if self._reused(batches) or self.taken - self.stepped_at > 1:
             return None
         return self.last_chunk
+
+    def _reused(self, batches: set) -> bool:
+        """Whether any of ``batches`` is one an earlier step already released."""
+        return any(n <= self.stepped_at for n in batches)
 
     def close_step(self, pass_batches: set) -> None:
         """Check, at a step, that it took exactly one new batch: ``pass_batches`` are the
@@ -255,7 +259,7 @@ class BatchLedger:
         an earlier step released, several batches handed out since the last step, or passes on
         several. Either way the next step starts from here."""
         drawn = self.taken - self.stepped_at
-        reused = any(n <= self.stepped_at for n in pass_batches)
+        reused = self._reused(pass_batches)
         self.stepped_at, self.closed_once = self.taken, True
         if reused:
             raise RuntimeError(
@@ -295,7 +299,6 @@ class PoissonDataLoader(DataLoader):
         sampler = self.batch_sampler
         mine = _new_loop(sampler, self.ledger)
         sizes = sampler.sizes
-        sizes.clear()  # batches an earlier iteration drew ahead and never handed out
         for batch in super().__iter__():
             _check_current(sampler, mine)
             self.ledger.take(batch, sizes.popleft() if sizes else None)
@@ -319,6 +322,7 @@ def _new_loop(sampler: PoissonBatchSampler, ledger: BatchLedger) -> int:
     draws again, so going on with it would train on them twice."""
     sampler.generation += 1
     sampler.position = ledger.taken
+    sampler.sizes.clear()  # of batches an earlier loop drew ahead and never handed out
     return sampler.generation
 
 

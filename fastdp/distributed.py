@@ -76,8 +76,7 @@ class DistributedPoissonBatchSampler(PoissonBatchSampler):
         older state, without ``world_size``, holds this rank's shard size and is checked as such."""
         if state is not None and "world_size" not in state:
             return super()._settings()
-        return {"num_samples": self.global_samples, "world_size": self.world_size,
-                "sample_rate": self.sample_rate, "secure_mode": self.secure_mode}
+        return {**super()._settings(), "num_samples": self.global_samples, "world_size": self.world_size}
 
     def batch(self, n: int) -> List[int]:
         rng = self.rng(n)

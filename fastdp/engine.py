@@ -178,8 +178,8 @@ class GradSampleEngine:
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
 
     def _drop_pass(self) -> None:
-        self._pending, self._pass_inputs, self._pass_bases, self._queued_task = [], {}, {}, None
-        self._pass_rows = {}
+        self._pending, self._pass_inputs, self._pass_bases, self._pass_rows = [], {}, {}, {}
+        self._queued_task = None
 
     def _check_rows(self, module: nn.Module, x: torch.Tensor) -> None:
         """A layer's calls in one pass are combined sample by sample (by index), so each call must
@@ -210,10 +210,8 @@ class GradSampleEngine:
 
     # -- after each backward pass ---------------------------------------------------------
     def _finish_backward(self) -> None:
-        records, self._pending, self._queued_task = self._pending, [], None
-        inputs, self._pass_inputs = self._pass_inputs, {}
-        bases, self._pass_bases = self._pass_bases, {}
-        self._pass_rows = {}
+        records, inputs, bases = self._pending, self._pass_inputs, self._pass_bases
+        self._drop_pass()
         self._check_new_samples(inputs)
         if torch._C._current_autograd_node() is not None:
             # A backward pass run from inside another one's node (reentrant checkpointing): its

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from fastdp.arguments import finite_number
-from fastdp.data import check_whole_dataset, poisson_loader
+from fastdp.data import poisson_loader
 from fastdp.optimizer import DPOptimizer
 
 
@@ -55,11 +55,11 @@ def make_private(
     if batch_size > dataset_size:
         raise ValueError(f"the loader's batch_size {batch_size} exceeds its dataset's {dataset_size} examples: "
                          "the sample rate batch_size / N must be at most 1; lower the batch_size")
-    if poisson_sampling:
-        check_whole_dataset(data_loader)
     sample_rate = batch_size / dataset_size
     # Poisson: round(1/q) batches make an epoch; the loader's own fixed-size batches otherwise
     steps_per_epoch = max(1, round(1 / sample_rate)) if poisson_sampling else len(data_loader)
+    if poisson_sampling:  # before calibrating: it refuses a loader whose own sampler it would ignore
+        data_loader = poisson_loader(data_loader, sample_rate, steps_per_epoch, seed, secure_mode)
     if (noise_multiplier is None) == (target_epsilon is None):
         raise ValueError("give exactly one of noise_multiplier or target_epsilon (with target_delta, epochs)")
     if target_epsilon is not None:
@@ -71,9 +71,7 @@ def make_private(
             target_epsilon=target_epsilon, delta=target_delta, sample_rate=sample_rate,
             steps=steps, accountant=accountant,
         )
-    if poisson_sampling:
-        data_loader = poisson_loader(data_loader, sample_rate, steps_per_epoch, seed, secure_mode)
-    else:
+    if not poisson_sampling:
         warnings.warn(
             "poisson_sampling=False: shuffled fixed-size batches are not covered by the "
             "Poisson-subsampled Gaussian analysis; the reported epsilon is not a guarantee",
