@@ -265,14 +265,15 @@ def noisy_average_ref(
 ) -> List[torch.Tensor]:
     """``(s + std * z) / divisor`` for every tensor, ``z ~ N(0, I)`` drawn from the 64-bit ``seed``.
 
-    torch's CPU generator (mt19937) keeps only the low 32 bits of a seed, which would give
-    two steps of a long run the same noise by chance (even odds within ~77k steps). So two
-    generators, seeded with the seed's low word and its high word (xor a constant, so that
-    the two differ), each draw the parameters' normals one after another, and
-    ``z = (3 z_low + 4 z_high) / 5``: distinct seeds give distinct noise (unequal weights: a
-    seed with its words swapped does too), and streams of distinct parameters are independent.
-    ``inplace=True`` lets an implementation write the result into ``sums`` (which the
-    caller then no longer uses); the returned list is the result either way.
+    torch's CPU generator (mt19937) keeps only the low 32 bits of a seed, so two generators are
+    seeded, one with the seed's low word and one with its high word (xor a constant). Each draws
+    one 52-bit integer per element; their sum modulo 2^52 is uniform and independent of either
+    draw alone, so two seeds that share one word (among N steps of a run, ~N^2 / 2^32 pairs do)
+    still get independent noise; only equal seeds repeat it. The integer ``k`` becomes the
+    uniform ``(2k + 1) / 2^53`` in (0, 1) and ``z`` its inverse normal CDF, in float64. Parameters
+    draw one after another from the two generators. ``inplace=True`` lets an implementation write
+    the result into ``sums`` (which the caller then no longer uses); the returned list is the
+    result either way.
     """
     if not sums:
         return []
@@ -280,14 +281,21 @@ def noisy_average_ref(
                  for word in (seed & 0xFFFFFFFF, ((seed >> 32) ^ 0x9E3779B9) & 0xFFFFFFFF)]
     out = []
     for s in sums:
-        if std > 0:  # drawn in float64: torch's float32 normals stop near 5.8 (a truncated Gaussian)
-            z = torch.randn(s.shape, generator=low, dtype=torch.float64, device=s.device).mul_(0.6)
-            z = z.add_(torch.randn(s.shape, generator=high, dtype=torch.float64, device=s.device), alpha=0.8)
-            z = z.to(s.dtype)
-            out.append((s.add_(z, alpha=std) if inplace else s.add(z, alpha=std)).div_(divisor))
+        write = inplace and s.is_contiguous()  # not into an expanded tensor, whose elements share memory
+        if std > 0:
+            z = torch.special.ndtri(_uniform53(s.shape, low, high, s.device)).to(s.dtype)
+            out.append((s.add_(z, alpha=std) if write else s.add(z, alpha=std)).div_(divisor))
         else:
-            out.append(s.div_(divisor) if inplace else s / divisor)
+            out.append(s.div_(divisor) if write else s / divisor)
     return out
+
+
+def _uniform53(shape, low: torch.Generator, high: torch.Generator, device) -> torch.Tensor:
+    """Float64 uniforms ``(2k + 1) / 2^53``, ``k = (a + b) mod 2^52`` of one draw from each generator."""
+    bound = 1 << 52
+    k = torch.randint(bound, shape, generator=low, dtype=torch.int64, device=device)
+    k.add_(torch.randint(bound, shape, generator=high, dtype=torch.int64, device=device)).bitwise_and_(bound - 1)
+    return k.mul_(2).add_(1).to(torch.float64).mul_(2.0 ** -53)
 
 
 def conv_sq_norms_ref(x: torch.Tensor, g: torch.Tensor, spec, ghost: bool, keep_grads: bool = False,

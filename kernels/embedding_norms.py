@@ -20,9 +20,9 @@ from kernels.reductions import block_sum
 @triton.jit
 def _embedding_kernel(ids_sorted, order, g, partial, T, D, padding_idx, sgb, sgt, sgd,
                       HAS_PADDING: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
-    i = tl.program_id(0)
+    i = tl.program_id(0).to(tl.int64)  # int64 indices: i * stride past 2^31 elements must not wrap
     tile_d = tl.program_id(1)
-    cols = tile_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    cols = (tile_d * BLOCK_D + tl.arange(0, BLOCK_D)).to(tl.int64)
     run = tl.full((BLOCK_D,), 0, ACC)
     total = tl.full((BLOCK_D,), 0, tl.float64)
     prev = tl.load(ids_sorted + i * T)

@@ -36,10 +36,11 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 @triton.jit
 def _gram_tile(x, rows_s, rows_t, n_rows, n_cols, stride_t, stride_k,
                BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    """``x[rows_s] @ x[rows_t]^T`` for one sample, rows and columns past the edge read as 0."""
+    """``x[rows_s] @ x[rows_t]^T`` for one sample, rows and columns past the edge read as 0
+    (``rows_*`` int64: offsets are formed in 64 bits)."""
     acc = tl.full((BLOCK_T, BLOCK_T), 0, ACC)
     for k0 in range(0, n_cols, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
+        cols = (k0 + tl.arange(0, BLOCK_K)).to(tl.int64)
         col_ok = cols[None, :] < n_cols
         xs = tl.load(x + rows_s[:, None] * stride_t + cols[None, :] * stride_k,
                      mask=(rows_s[:, None] < n_rows) & col_ok, other=0.0)
@@ -51,34 +52,37 @@ def _gram_tile(x, rows_s, rows_t, n_rows, n_cols, stride_t, stride_k,
 
 
 @triton.jit
-def _ghost_kernel(a, g, pair_s, pair_t, partial, T, D, P, sab, sat, sad, sgb, sgt, sgp,
+def _ghost_kernel(a, g, pair_s, pair_t, n_pairs, partial, T, D, P, sab, sat, sad, sgb, sgt, sgp,
                   BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    i = tl.program_id(0)
-    pair = tl.program_id(1)
+    # program (sample i, tile pair) on a 1-D grid (a second grid axis is limited to 65535 on CUDA);
+    # indices in int64, as i * stride may pass 2^31 elements
+    pid = tl.program_id(0)
+    i = (pid // n_pairs).to(tl.int64)
+    pair = pid % n_pairs
     tile_s = tl.load(pair_s + pair)
     tile_t = tl.load(pair_t + pair)
-    rows_s = tile_s * BLOCK_T + tl.arange(0, BLOCK_T)
-    rows_t = tile_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    rows_s = (tile_s * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
+    rows_t = (tile_t * BLOCK_T + tl.arange(0, BLOCK_T)).to(tl.int64)
     gram_a = _gram_tile(a + i * sab, rows_s, rows_t, T, D, sat, sad, BLOCK_T, BLOCK_K, ACC, PRECISION, UPCAST)
     gram_g = _gram_tile(g + i * sgb, rows_s, rows_t, T, P, sgt, sgp, BLOCK_T, BLOCK_K, ACC, PRECISION, UPCAST)
     weight = tl.where(tile_t > tile_s, 2.0, 1.0)
     total = weight * block_sum(gram_a * gram_g).to(tl.float64)
-    tl.store(partial + i * tl.num_programs(1) + pair + tl.arange(0, 1), total + tl.full((1,), 0, tl.float64))
+    tl.store(partial + pid + tl.arange(0, 1), total + tl.full((1,), 0, tl.float64))
 
 
 @triton.jit
 def _direct_kernel(a, g, partial, T, D, P, sab, sat, sad, sgb, sgt, sgp,
                    BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr,
                    ACC: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-    i = tl.program_id(0)
+    i = tl.program_id(0).to(tl.int64)  # int64 indices: i * stride past 2^31 elements must not wrap
     tile_p = tl.program_id(1)
-    rows_p = tile_p * BLOCK_P + tl.arange(0, BLOCK_P)
+    rows_p = (tile_p * BLOCK_P + tl.arange(0, BLOCK_P)).to(tl.int64)
     total = tl.full((1,), 0, tl.float64)
     for d0 in range(0, D, BLOCK_D):
-        cols_d = d0 + tl.arange(0, BLOCK_D)
+        cols_d = (d0 + tl.arange(0, BLOCK_D)).to(tl.int64)
         tile = tl.full((BLOCK_P, BLOCK_D), 0, ACC)
         for t0 in range(0, T, BLOCK_T):
-            ts = t0 + tl.arange(0, BLOCK_T)
+            ts = (t0 + tl.arange(0, BLOCK_T)).to(tl.int64)
             gt = tl.load(g + i * sgb + ts[:, None] * sgt + rows_p[None, :] * sgp,
                          mask=(ts[:, None] < T) & (rows_p[None, :] < P), other=0.0)
             at = tl.load(a + i * sab + ts[:, None] * sat + cols_d[None, :] * sad,
@@ -137,8 +141,8 @@ def linear_sq_norms_ghost_triton(a: torch.Tensor, g: torch.Tensor, block_t: int 
     block_k = _block(max(d, p), block_k)
     pair_s, pair_t = _tile_pairs(triton.cdiv(seq, block_t), a.device)
     partial = torch.empty(batch, pair_s.numel(), dtype=torch.float64, device=a.device)  # every entry is stored
-    _ghost_kernel[(batch, pair_s.numel())](
-        a, g, pair_s, pair_t, partial, seq, d, p, *a.stride(), *g.stride(),
+    _ghost_kernel[(batch * pair_s.numel(),)](
+        a, g, pair_s, pair_t, pair_s.numel(), partial, seq, d, p, *a.stride(), *g.stride(),
         BLOCK_T=block_t, BLOCK_K=block_k, **_GHOST_DOT,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -234,6 +234,33 @@ def test_noise_depends_on_all_64_bits_of_the_seed(backend):
     assert abs(z.mean().item()) < 5 / 200_000**0.5 and abs(z.var().item() - 1) < 5 * (2 / 200_000) ** 0.5
 
 
+@pytest.mark.parametrize("backend", ["reference", "native"])
+def test_noise_of_seeds_sharing_a_32_bit_word_is_uncorrelated(backend):
+    """The reference drew z = (3 z_low + 4 z_high) / 5 from two generators seeded with the seed's
+    words: two steps whose seeds shared a word (about one pair in 54k steps of a run) got noise
+    correlated by 0.36 to 0.64 (review)."""
+    impl = {"reference": ops.noisy_average_ref, "native": native.noisy_average}[backend]
+    seed, mask, xor = 0x0123456789ABCDEF, 0xFFFFFFFF, 0x9E3779B9  # xor: how the reference keys its second generator
+    low, high = seed & mask, seed >> 32
+    others = [(0x55555555 << 32) | low,  # the same low word
+              (high << 32) | 0x2468ACE1,  # the same high word
+              (0x13579BDF << 32) | (high ^ xor),  # its low word keys what the seed's high word keys
+              ((low ^ xor) << 32) | 0x0F0F0F0F]  # and the other way round
+    n = 200_000
+    z = impl([torch.zeros(n, dtype=torch.float64)], 1.0, 1.0, seed)[0]
+    for other in others:
+        w = impl([torch.zeros(n, dtype=torch.float64)], 1.0, 1.0, other)[0]
+        assert abs(float(torch.corrcoef(torch.stack([z, w]))[0, 1])) < 5 / n**0.5, hex(other)
+
+
+def test_reference_noise_in_place_on_an_expanded_sum():
+    """In place, the reference wrote into a tensor whose elements share memory and crashed (review)."""
+    s = torch.ones(4, dtype=torch.float64).expand(3, 4)
+    out = ops.noisy_average_ref([s], 1.0, 2.0, 7, inplace=True)[0]
+    assert torch.equal(out, ops.noisy_average_ref([s], 1.0, 2.0, 7)[0])
+    assert len(set(out.flatten().tolist())) == 12  # every element got its own noise
+
+
 # --------------------------------------------------------------------------- norms
 
 
@@ -269,6 +296,31 @@ def test_linear_norm_kernels_large_batch_and_default_blocks(tri):
     assert rel_err(ln.linear_sq_norms_direct_triton(a, g).cpu(), exact) < 2e-6
     empty = a[:0]
     assert ln.linear_sq_norms_ghost_triton(empty, g[:0]).shape == (0,)
+
+
+@pytest.mark.skipif(CUDA, reason="views a sparse file: CPU tensors under the interpreter")
+def test_norm_kernels_index_samples_past_2_31_elements(tri, tmp_path):
+    """The Triton kernels formed ``i * stride`` in int32: a sample starting past element 2^31 was
+    read at a wrapped address (its norm came out 0, and it escaped clipping) (review)."""
+    batch, seq, dim = 3, 4, 8
+    stride = 2**31 - 2**18  # below 2^31: Triton passes it as an int32
+    offset = 2**20
+    numel = offset + (batch - 1) * stride + seq * dim
+    path = tmp_path / "sparse.bin"
+    with open(path, "wb") as f:
+        f.truncate(2 * numel)  # ~8.6 GB of float16, sparse: only the three samples are written
+    storage = torch.from_file(str(path), shared=True, size=numel, dtype=torch.float16)
+    g = storage.as_strided((batch, seq, dim), (stride, dim, 1), offset)
+    g.copy_(torch.randn(batch, seq, dim).half())
+    ids = torch.tensor([[1, 2, 1, 3]] * batch)
+    exact = ops.embedding_sq_norms_ref(ids, g.double(), None)
+    assert rel_err(tri["embedding_norms"].embedding_sq_norms_triton(ids, g, None), exact) < 1e-3
+    other = torch.randn(batch, seq, 5).half()
+    exact = ops.linear_sq_norms_direct_ref(g.double(), other.double())
+    ln = tri["linear_norms"]
+    assert rel_err(ln.linear_sq_norms_ghost_triton(g, other), exact) < 1e-3
+    assert rel_err(ln.linear_sq_norms_direct_triton(g, other), exact) < 1e-3
+    del g, storage
 
 
 def test_normals_reach_beyond_the_old_truncation():
