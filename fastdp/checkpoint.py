@@ -11,8 +11,10 @@ position::
 ``data_loader`` defaults to the loader the optimizer steps on (``make_private``'s), so the
 loader's position is never left behind: a loader resumed at its first batch with the run's
 seed would repeat the run's batches while the accountant counted them as fresh. Loading with
-``data_loader=False`` leaves the loader as it is (resuming over another dataset). A load
-that is refused changes nothing.
+``data_loader=False`` leaves the loader as it is (resuming over another dataset); a
+:class:`~fastdp.data.BatchMemoryManager` stands for its loader; a saved position with no
+loader given or attached is refused. A load that is refused changes nothing; one that is
+accepted drops clipped sums not yet stepped (a rollback between ``backward()`` and ``step()``).
 
 The noise key and the sampler's seed are secret: with them anyone holding the file can
 regenerate every step's noise and batches, and subtract the noise. They are left out
@@ -48,7 +50,7 @@ def state_dict(*, model: nn.Module, optimizer, data_loader=None, include_secrets
     if optimizer.engine.summed:
         raise RuntimeError("clipped gradients are pending (backward() ran since the last step()): "
                            "checkpoint after optimizer.step() or zero_grad()")
-    data_loader = data_loader if data_loader is not None else optimizer.loader
+    data_loader = _poisson_loader(data_loader if data_loader is not None else optimizer.loader)
     return {
         "format": FORMAT,
         "model": model.state_dict(),
@@ -56,6 +58,19 @@ def state_dict(*, model: nn.Module, optimizer, data_loader=None, include_secrets
         "noise_multiplier": optimizer.noise_multiplier,
         "data_loader": None if data_loader is None else data_loader.state_dict(include_secrets),
     }
+
+
+def _poisson_loader(data_loader):
+    """The loader whose position a checkpoint keeps: a BatchMemoryManager's own loader; refuses a
+    loader without one (``torch``'s ``DataLoader`` keeps no position)."""
+    from fastdp.data import BatchMemoryManager
+
+    if isinstance(data_loader, BatchMemoryManager):
+        data_loader = data_loader.data_loader
+    if data_loader is not None and not hasattr(data_loader, "check_state_dict"):
+        raise TypeError(f"data_loader must be the run's fastdp Poisson loader (make_private's, or "
+                        f"fastdp.poisson_loader's), whose position a checkpoint keeps; got {type(data_loader).__name__}")
+    return data_loader
 
 
 def _check_model(saved: Dict[str, torch.Tensor], model: nn.Module) -> None:
@@ -86,11 +101,18 @@ def load_state_dict(state: Dict[str, Any], *, model: nn.Module, optimizer, data_
     elif data_loader is not None and state["data_loader"] is None:
         raise ValueError("the checkpoint has no data loader state to restore")
     elif data_loader is None and state["data_loader"] is not None:
+        if optimizer.loader is None:
+            raise ValueError(
+                "the checkpoint holds the data loader's position but no loader was given and the optimizer has "
+                "none attached: pass data_loader= (the run's Poisson loader; resumed at its first batch with the "
+                "run's seed it would repeat the run's batches, counted as fresh), or data_loader=False to leave "
+                "loaders as they are")
         data_loader = optimizer.loader
     elif data_loader is None and optimizer.loader is not None:
         warnings.warn("the checkpoint holds no loader position: the optimizer's loader goes on from where it "
                       "is, and if it was built with the run's seed it repeats the run's batches (the accountant "
                       "would count them as fresh); build it with a fresh seed", UserWarning, stacklevel=2)
+    data_loader = _poisson_loader(data_loader)
     if data_loader is not None:  # refused before anything changes
         data_loader.check_state_dict(state["data_loader"])
 

@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import math
+import operator
 import weakref
 from collections import deque
 from collections.abc import Mapping
@@ -47,6 +48,16 @@ def check_sample_rate(sample_rate: float) -> float:
     return rate
 
 
+def _seed_value(seed) -> int:
+    """An integer seed as NumPy's SeedSequence takes it: a negative one in two's complement
+    (128 bits), as the optimizer takes it in 64."""
+    try:
+        seed = operator.index(seed)
+    except TypeError:
+        raise TypeError(f"seed must be an integer, got {seed!r}") from None
+    return seed if seed >= 0 else seed & ((1 << 128) - 1)
+
+
 class PoissonBatchSampler(Sampler[List[int]]):
     """Batches of indices of ``range(num_samples)``, each example included with probability q.
 
@@ -74,7 +85,7 @@ class PoissonBatchSampler(Sampler[List[int]]):
         if self.steps <= 0:
             raise ValueError(f"steps must be positive, got {self.steps}")
         self.secure_mode = bool(secure_mode)
-        self.seed = None if secure_mode else (os_entropy(128) if seed is None else int(seed))
+        self.seed = None if secure_mode else (os_entropy(128) if seed is None else _seed_value(seed))
         self.position = 0
         self.sizes: Deque[int] = deque(maxlen=4096)  # sizes of the batches drawn, for the loader to pop
         self.generation = 0  # bumped by each new loop over a loader of this sampler, and by a resume
@@ -336,8 +347,9 @@ def _check_current(sampler: PoissonBatchSampler, generation: int) -> None:
 
 def _loader_kwargs(data_loader: DataLoader) -> Dict[str, Any]:
     kwargs = dict(num_workers=data_loader.num_workers, pin_memory=data_loader.pin_memory,
-                  worker_init_fn=data_loader.worker_init_fn, timeout=data_loader.timeout,
-                  multiprocessing_context=data_loader.multiprocessing_context)
+                  pin_memory_device=data_loader.pin_memory_device, worker_init_fn=data_loader.worker_init_fn,
+                  timeout=data_loader.timeout, multiprocessing_context=data_loader.multiprocessing_context,
+                  generator=data_loader.generator)
     if data_loader.num_workers > 0:
         kwargs.update(persistent_workers=data_loader.persistent_workers,
                       prefetch_factor=data_loader.prefetch_factor)

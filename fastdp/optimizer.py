@@ -16,6 +16,7 @@ populated: autograd skips the unclipped weight gradients entirely.
 from __future__ import annotations
 
 import copy
+import math
 import operator
 import os
 import warnings
@@ -197,8 +198,18 @@ class DPOptimizer(torch.optim.Optimizer):
         gradients are released: a step is counted even if it fails afterwards, never released
         uncounted."""
         from fastdp.accounting.base import check_sample_rate  # not at import: the package loads SciPy
-        self.sample_rate = check_sample_rate(sample_rate)
+        rate = check_sample_rate(sample_rate)
+        drawn = self._loader_rate()
+        if drawn is not None and not math.isclose(rate, drawn, rel_tol=1e-12):
+            raise ValueError(
+                f"sample_rate={rate}, but the attached loader draws each example with probability {drawn}: the "
+                "accountant must record the rate the batches are drawn at (to change it, attach the new loader "
+                "first: attach_loader)")
+        self.sample_rate = rate
         self.accountant = accountant
+
+    def _loader_rate(self) -> Optional[float]:
+        return None if self.loader is None else self.loader.batch_sampler.sample_rate
 
     def _account_step(self) -> None:
         if self.accountant is not None:
@@ -220,6 +231,14 @@ class DPOptimizer(torch.optim.Optimizer):
             raise TypeError(
                 f"attach_loader needs a fastdp PoissonDataLoader (it counts the batches it hands out), got "
                 f"{type(loader).__name__}: build it with fastdp.poisson_loader(data_loader) or make_private")
+        rate = loader.batch_sampler.sample_rate
+        if self.accountant is not None and not math.isclose(rate, self.sample_rate, rel_tol=1e-12):
+            warnings.warn(
+                f"the loader draws each example with probability {rate}, the accountant recorded {self.sample_rate} "
+                f"per step so far: it records {rate} from the next step on (the noisy sum's divisor stays "
+                f"expected_batch_size={self.expected_batch_size}; set it to {rate} x the dataset size if it should "
+                "follow)", UserWarning, stacklevel=2)
+            self.sample_rate = rate
         if not ledger.closed_once:
             ledger.restart(ledger.taken)
         self.loader = loader
@@ -387,8 +406,9 @@ class DPOptimizer(torch.optim.Optimizer):
             raise ValueError(f"the state holds an accountant history that {type(self.accountant).__name__} "
                              "cannot load: attach a fastdp accountant")
         if history is not None and ours:  # refused here, before anything of this optimizer changed
-            copy.deepcopy(self.accountant).load_state_dict(history)
-            if self.accountant.steps:
+            loaded = copy.deepcopy(self.accountant)
+            loaded.load_state_dict(history)
+            if self.accountant.steps and self.accountant.history != loaded.history:  # not a plain rollback
                 warnings.warn(
                     f"loading replaces the {self.accountant.steps} steps this optimizer's accountant recorded "
                     "with the state's history: their privacy cost is forgotten, which is sound only if nothing "
@@ -401,6 +421,10 @@ class DPOptimizer(torch.optim.Optimizer):
         self._noise_draws = draws
         if key is not None:
             self._noise_key = int(key)
+        # clipped sums of backward passes run before the load belong to the abandoned run (a rollback
+        # between backward() and step()): stepped with the reloaded loader's batch, its samples would count twice
+        self.engine.clear()
+        self._skip_next_step = self._logical_batch_open = False
 
 
 _STEP_WITH_HOOKS = torch.optim.Optimizer.profile_hook_step(DPOptimizer._dp_step)

@@ -1,5 +1,6 @@
 """Checkpoint and resume: bit-identical continuation, epsilon history kept, bad checkpoints refused."""
 import io
+import warnings
 
 import pytest
 import torch
@@ -295,3 +296,76 @@ def test_a_data_parallel_sampler_state_written_before_global_sizes_still_loads()
         sampler = DistributedPoissonBatchSampler(40, 0.2, seed=1, rank=rank, world_size=2)
         sampler.load_state_dict(old)
         assert sampler.position == 2
+
+
+def test_a_rollback_between_backward_and_step_drops_the_pending_clipped_sums():
+    """Loading kept the clipped sums of a backward pass run before it: the step after a rollback
+    (reload, draw the same batch again) released each of that batch's samples twice (review)."""
+    def third_step(rollback):
+        model, opt, loader = build(sigma=0.0, seed=3)
+        opt.attach_loader(loader)
+        released = []
+        opt.attach_step_hook(lambda o: released.append([p.grad.clone() for p in model.parameters()]))
+        saved = None
+        for i, (x, y) in enumerate(loader):
+            nn.functional.cross_entropy(model(x), y).backward()
+            if rollback and i == 2:  # e.g. a divergence seen after backward(): back to the last checkpoint
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")  # the history it replaces is the same: nothing forgotten
+                    checkpoint.load_state_dict(saved, model=model, optimizer=opt)
+                break
+            opt.step()
+            opt.zero_grad()
+            if i == 1:
+                saved = roundtrip(checkpoint.state_dict(model=model, optimizer=opt))
+            if i == 2:
+                return released[2], opt.accountant.history
+        for x, y in loader:  # draws batch 2 again
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            return released[2], opt.accountant.history
+
+    expected, history = third_step(rollback=False)
+    got, history_after_rollback = third_step(rollback=True)
+    assert history_after_rollback == history
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+
+
+def test_a_saved_loader_position_is_not_dropped_when_no_loader_is_known():
+    """With no loader given and none attached to the optimizer, the saved position was silently
+    skipped: a loader rebuilt with the run's seed replayed the run's batches as fresh (review)."""
+    model, opt, loader = build(seed=5)
+    train(model, opt, loader, 3)
+    state = roundtrip(checkpoint.state_dict(model=model, optimizer=opt, data_loader=loader))
+    model, opt, loader = build(seed=5)
+    with pytest.raises(ValueError, match="data_loader="):
+        checkpoint.load_state_dict(state, model=model, optimizer=opt)
+    assert opt.steps == 0 and loader.batches_consumed == 0  # refused before anything changed
+    checkpoint.load_state_dict(state, model=model, optimizer=opt, data_loader=False)
+    assert opt.steps == 3 and loader.batches_consumed == 0
+
+
+def test_checkpoint_takes_a_batch_memory_manager_for_its_loader():
+    """The object a BatchMemoryManager loop iterates was refused with a bare AttributeError (review)."""
+    model, opt, loader = build(seed=5)
+    opt.attach_loader(loader)
+    train(model, opt, loader, 3, physical=2)
+    chunks = BatchMemoryManager(data_loader=loader, max_physical_batch_size=2, optimizer=opt)
+    state = roundtrip(checkpoint.state_dict(model=model, optimizer=opt, data_loader=chunks))
+    model, opt, loader = build(seed=5)
+    chunks = BatchMemoryManager(data_loader=loader, max_physical_batch_size=2, optimizer=opt)
+    checkpoint.load_state_dict(state, model=model, optimizer=opt, data_loader=chunks)
+    assert loader.batches_consumed == 3
+    with pytest.raises(TypeError, match="Poisson loader"):
+        checkpoint.state_dict(model=model, optimizer=opt, data_loader=DataLoader(dataset(), batch_size=BATCH))
+
+
+def test_loading_over_other_recorded_steps_warns():
+    model, opt, loader = build(seed=5)
+    train(model, opt, loader, 2)
+    state = roundtrip(checkpoint.state_dict(model=model, optimizer=opt, data_loader=loader))
+    train(model, opt, loader, 1)
+    with pytest.warns(UserWarning, match="replaces the 3 steps"):
+        checkpoint.load_state_dict(state, model=model, optimizer=opt, data_loader=loader)
+    assert opt.accountant.steps == 2

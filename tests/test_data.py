@@ -251,3 +251,45 @@ def test_memory_manager_with_plain_loader():
             opt.step()
             opt.zero_grad()
     assert opt.steps == 2
+
+
+def test_poisson_loaders_keep_the_data_loaders_generator():
+    """The generator (which seeds the workers, e.g. their random augmentations) was dropped, so worker
+    seeds followed torch's global generator instead (review)."""
+    gen = torch.Generator().manual_seed(0)
+    ds = TensorDataset(torch.arange(8.0))
+    loader = fastdp.poisson_loader(DataLoader(ds, batch_size=4, generator=gen), seed=1)
+    assert loader.generator is gen
+    m = nn.Linear(1, 1)
+    opt = fastdp.DPOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), module=m, noise_multiplier=1.0,
+                             max_grad_norm=1.0, expected_batch_size=4)
+    assert BatchMemoryManager(data_loader=loader, max_physical_batch_size=2, optimizer=opt)._chunks.generator is gen
+
+
+def test_a_negative_seed_samples_like_the_optimizer_takes_it():
+    """make_private(seed=-1) was accepted, then the first batch failed inside NumPy (review)."""
+    sampler = PoissonBatchSampler(20, 0.5, seed=-1)
+    assert sampler.batch(0) == PoissonBatchSampler(20, 0.5, seed=2**128 - 1).batch(0)
+    with pytest.raises(TypeError, match="seed must be an integer"):
+        PoissonBatchSampler(20, 0.5, seed=1.5)
+
+
+def test_the_accountant_records_the_rate_the_attached_loader_draws_at():
+    """attach_loader took a loader of another sample rate (a larger batch mid-training) while the
+    accountant went on recording the old rate: epsilon 1.17 reported for 4.28 spent (review)."""
+    ds = TensorDataset(torch.randn(200, 4), torch.randint(0, 2, (200,)))
+    m = nn.Linear(4, 2)
+    m, opt, loader = fastdp.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+                                         data_loader=DataLoader(ds, batch_size=4), noise_multiplier=1.0,
+                                         max_grad_norm=1.0, seed=0)
+    big = fastdp.poisson_loader(DataLoader(ds, batch_size=50), seed=1)
+    with pytest.raises(ValueError, match="attach the new loader first"):
+        opt.attach_accountant(opt.accountant, 0.25)
+    with pytest.warns(UserWarning, match="records 0.25 from the next step on"):
+        opt.attach_loader(big)
+    for x, y in big:
+        opt.zero_grad()
+        nn.functional.cross_entropy(m(x), y).backward()
+        opt.step()
+        break
+    assert opt.accountant.history == [(1.0, 0.25, 1)]
