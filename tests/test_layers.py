@@ -78,6 +78,31 @@ def test_conv_both_routes(monkeypatch, use_backend, route, groups, backend):
     check_exact(model, [torch.randn(3, 4, 9, 9)])
 
 
+class _TimeFirst(nn.Module):
+    """(B, T, C) -> (B, C, T): a Conv1d over a sequence."""
+
+    def forward(self, h):
+        return h.transpose(1, 2)
+
+
+@pytest.mark.parametrize("backend,route", [("reference", "ghost"), ("reference", "direct"), (None, "ghost"),
+                                           (None, "direct"), (None, "timed")])
+def test_conv_over_a_transposed_one_token_sequence(monkeypatch, use_backend, route, backend):
+    """(B, 1, C) transposed counts as contiguous but keeps a non-standard stride on its size-1 dim,
+    which aten's slow convolution backward refused: instantiated per-sample gradients crashed (review)."""
+    import fastdp.layers.conv as conv
+
+    use_backend(backend)
+    if route == "timed":  # every route, the instantiating one too, is run to time it
+        _time_every_conv_geometry(monkeypatch)
+    else:
+        monkeypatch.setattr(conv, "AUTOTUNE", False)
+        monkeypatch.setattr(conv, "route_costs", lambda t, d, p: (0, 1) if route == "ghost" else (1, 0))
+    torch.manual_seed(0)
+    model = nn.Sequential(_TimeFirst(), nn.Conv1d(2, 3, 2, padding=1), nn.Flatten())
+    check_exact(model, [torch.randn(2, 1, 2)])
+
+
 def test_conv_same_padding_even_kernel():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(2, 3, (4, 3), padding="same", dilation=(1, 2)), nn.Flatten())

@@ -163,9 +163,21 @@ def _convolution_backward(grad_out, x, weight, spec: ConvSpec, groups, mask):
     if not isinstance(weight, torch.Tensor):
         weight = grad_out.new_empty(1).expand(*weight)
     return torch.ops.aten.convolution_backward(
-        grad_out, x, weight, None, spec.stride, spec.padding, spec.dilation,
+        _plain_strides(grad_out), _plain_strides(x), weight, None, spec.stride, spec.padding, spec.dilation,
         False, [0] * len(spec.stride), groups, mask,
     )
+
+
+def _plain_strides(t: torch.Tensor) -> torch.Tensor:
+    """``t``, copied where it counts as contiguous but a size-1 dimension has another stride (a
+    transposed one-token sequence): aten's slow convolution backward refuses such a tensor."""
+    if not t.is_contiguous():
+        return t
+    stride, plain = 1, []
+    for n in reversed(t.shape):
+        plain.append(stride)
+        stride *= n
+    return t if t.stride() == tuple(reversed(plain)) else torch.empty_like(t, memory_format=torch.contiguous_format).copy_(t)
 
 
 def _aten_input_grad(grad_out, x, weight, spec: ConvSpec) -> torch.Tensor:
