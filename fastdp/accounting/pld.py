@@ -233,7 +233,11 @@ def subsampled_gaussian_pld(
 
 
 # --------------------------------------------------------------------------- composition
-_LAMBDA_STEPS = np.geomspace(1.0 / 64.0, 64.0, 25)
+# Multiples of the Gaussian optimum lam0 tried in the Chernoff bounds. At tiny q (small variance)
+# lam0 is huge and the best lam far below it: with a grid starting at lam0 / 64 the window reached far
+# past the real mass, and the FFT noise bound summed over it exceeded delta (eps 18,000x too large).
+# Powers of sqrt(2) from 2^-24 (~6e-8) to 2^6: the earlier grid's points, 2^-6 to 2^6, and more below.
+_LAMBDA_STEPS = np.power(2.0, np.arange(-48, 13) / 2.0)
 
 
 def _log_mgf(pld: DiscretePLD, lambdas: np.ndarray) -> np.ndarray:
