@@ -30,12 +30,15 @@ def positive_float(text: str) -> float:
     return value
 
 
-def open_unit_float(text: str) -> float:
-    """argparse type: a number strictly between 0 and 1 (a delta)."""
+def delta_float(text: str) -> float:
+    """argparse type: a delta, a normal float strictly between 0 and 1 (``check_delta``)."""
+    from fastdp.accounting.base import check_delta  # not at import: the package loads SciPy
+
     value = _float(text)
-    if not 0 < value < 1:
-        raise argparse.ArgumentTypeError(f"expected a number strictly between 0 and 1, got {text}")
-    return value
+    try:
+        return check_delta(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def momentum_float(text: str) -> float:

@@ -117,8 +117,13 @@ class DPOptimizer(torch.optim.Optimizer):
         self._step_hooks: List[Callable[["DPOptimizer"], None]] = []
         self.accountant = None
         self.loader = None  # the Poisson loader whose batches the steps take, once attached
+        self._detached = False
         # last: it hooks the module, so nothing after it may fail and leave the hooks behind
         self.engine = GradSampleEngine(module, params, self.clipping, loss_reduction, nonfinite)
+        # seeds drawn per noise key, kept on the module: an optimizer rebuilt on it with the same seed
+        # (after detach()) continues the stream instead of releasing the earlier steps' noise again
+        self._draws_by_key = module.__dict__.setdefault("_fastdp_noise_draws", {})
+        self._noise_draws = self._draws_by_key.get(self._noise_key, 0)
 
     # -- what torch.optim.Optimizer users and LR schedulers read --------------------------
     @property
@@ -267,6 +272,7 @@ class DPOptimizer(torch.optim.Optimizer):
         no two draws of a run share a seed (a bijection of distinct inputs) and the stream is
         checkpointed by two integers. Pure Python: no tensor op on the step's critical path."""
         self._noise_draws += 1
+        self._draws_by_key[self._noise_key] = max(self._draws_by_key.get(self._noise_key, 0), self._noise_draws)
         return _splitmix64(self._noise_key + self._noise_draws * _GOLDEN)
 
     def noisy_average(self, sums: List[torch.Tensor], divisor: float,
@@ -318,6 +324,9 @@ class DPOptimizer(torch.optim.Optimizer):
         return self._dp_step(closure)
 
     def _dp_step(self, closure=None):
+        if self._detached:
+            raise RuntimeError("this DPOptimizer was detached (detach()) and can no longer step privately: build a "
+                               "new one on the module")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -354,6 +363,7 @@ class DPOptimizer(torch.optim.Optimizer):
     def detach(self) -> None:
         """Remove every hook from the module; this optimizer can no longer step privately."""
         self.engine.detach()
+        self._detached = True
 
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self, include_secrets: bool = False):
@@ -386,6 +396,11 @@ class DPOptimizer(torch.optim.Optimizer):
             post_hook(self)
 
     def _load_state(self, state_dict) -> None:
+        if not isinstance(state_dict, dict) or "noise_seed_state" not in state_dict:
+            raise ValueError(
+                "not a fastdp DPOptimizer state (it has no 'noise_seed_state'; a plain torch or Opacus optimizer "
+                "state holds no accountant history or noise stream): load such a state into the wrapped optimizer "
+                "(optimizer.original_optimizer.load_state_dict) and restore the privacy accounting separately")
         seeds = state_dict["noise_seed_state"]
         if not isinstance(seeds, dict):
             raise ValueError("this optimizer state was written by an older fastdp, whose noise seeds came from a "

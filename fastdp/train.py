@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from fastdp.accounting import UnreachableTargetError, available_accountants
 from fastdp.allocator import keep_freed_memory
-from fastdp.cli import momentum_float, nonnegative_int, open_unit_float, positive_float, positive_int
+from fastdp.cli import delta_float, momentum_float, nonnegative_int, positive_float, positive_int
 from fastdp.datasets import DATASETS, DatasetNotFoundError, collate_pairs, load_dataset
 from fastdp.privacy import make_private
 
@@ -332,7 +332,7 @@ def register(subparsers) -> None:
     )
     p.add_argument("--dataset", choices=DATASETS, default="fashion-mnist")
     p.add_argument("--target-epsilon", type=positive_float, default=3.0)
-    p.add_argument("--delta", type=open_unit_float, default=1e-5)
+    p.add_argument("--delta", type=delta_float, default=1e-5)
     p.add_argument("--epochs", type=positive_int, help="default: 30 (fashion-mnist), 10 (digits)")
     p.add_argument("--batch-size", type=positive_int, help="expected (Poisson) batch size; default 2048 / 128")
     p.add_argument("--lr", type=positive_float, help="SGD learning rate; default 4 / 2")

@@ -140,7 +140,8 @@ def test_batch_larger_than_dataset_is_rejected():
     (["--epochs", "0"], "argument --epochs: expected a positive integer, got 0"),
     (["--batch-size", "x"], "argument --batch-size: expected a positive integer, got 'x'"),
     (["--accountant", "foo"], "argument --accountant: invalid choice: 'foo'"),
-    (["--delta", "2"], "argument --delta: expected a number strictly between 0 and 1"),
+    (["--delta", "2"], "argument --delta: delta must satisfy 0 < delta < 1"),
+    (["--delta", "1e-320"], "argument --delta: delta=1e-320 is below"),  # a traceback from calibration (review)
     (["--momentum", "-1"], "argument --momentum: expected a number in [0, 1)"),
     (["--momentum", "1.5"], "argument --momentum: expected a number in [0, 1)"),
     (["--subset", "0"], "argument --subset: expected a positive integer"),
