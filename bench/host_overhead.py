@@ -1,7 +1,9 @@
 """Per-step host overhead of the fastdp step: its time minus the non-private step's on the
 benchmark models' tiny ``--quick`` shapes, where the kernels cost next to nothing.
 
-    .venv/bin/python bench/host_overhead.py [--configs mlp,mnist-cnn-b64] [--rounds 400]
+    .venv/bin/python bench/host_overhead.py [--configs mlp,mnist-cnn-b64] [--rounds 400] [--full]
+
+``--full`` times the benchmark's full shapes instead: there the overhead includes the kernels.
 
 Both steps are built from the same model in one process and alternated (as in
 ``interleaved.py``); medians of each phase (forward, backward, optimizer step) in µs.
@@ -21,8 +23,8 @@ from interleaved import build_steps  # bench/ is on sys.path when run as a scrip
 PHASES = ("forward", "backward", "step")
 
 
-def phase_times(config: str, rounds: int, warmup: int = 20):
-    steps = build_steps(config, quick=True, phases=True)
+def phase_times(config: str, rounds: int, warmup: int = 20, quick: bool = True):
+    steps = build_steps(config, quick=quick, phases=True)
     times = {(name, phase): [] for name in steps for phase in PHASES}
     for i in range(warmup + rounds):
         for name, step in (steps.items() if i % 2 else reversed(steps.items())):
@@ -37,13 +39,15 @@ def main() -> None:
     parser.add_argument("--configs", default="mlp,mnist-cnn-b64")
     parser.add_argument("--rounds", type=int, default=400)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--full", action="store_true", help="the full shapes, not --quick's")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     keep_freed_memory()
-    print(f"torch {torch.__version__}, {args.threads} threads; --quick shapes, median µs per phase")
+    shapes = "full" if args.full else "--quick"
+    print(f"torch {torch.__version__}, {args.threads} threads; {shapes} shapes, median µs per phase")
     print(f"{'config':16s} {'phase':9s} {'nonprivate':>10s} {'fastdp':>8s} {'overhead':>8s}")
     for config in args.configs.split(","):
-        med = phase_times(config, args.rounds)
+        med = phase_times(config, args.rounds, quick=not args.full)
         for phase in PHASES + ("total",):
             if phase == "total":
                 plain, dp = (sum(med[(n, p)] for p in PHASES) for n in ("nonprivate", "fastdp"))
