@@ -69,13 +69,24 @@ class _AffineNormRule(LayerRule):
     def normalize(self, module, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    @staticmethod
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        """The functional norm on a tiny input: tells whether autocast keeps its input's dtype."""
+        raise NotImplementedError
+
     def forward(self, module, tap: Tap, x: torch.Tensor) -> torch.Tensor:
         if x.dim() < 2:
             raise UnsupportedModuleError(
                 f"{type(module).__name__} got an input of shape {tuple(x.shape)}: fastdp needs a batch dimension"
             )
-        x_hat = self.normalize(module, x)
-        return _AffineFn.apply(x_hat, module.weight, getattr(module, "bias", None), self.channel_dim, tap)
+        # A half-precision input with float32 parameters, in a norm autocast leaves in the input's dtype (CPU):
+        # the plain module normalises in float32 and rounds once, to the input's dtype; so does this path.
+        weight = module.weight
+        widen = (x.dtype in (torch.float16, torch.bfloat16) and weight is not None and weight.dtype == torch.float32
+                 and _autocast_keeps_dtype(self.probe, x))
+        x_hat = self.normalize(module, x.float() if widen else x)
+        out = _AffineFn.apply(x_hat, weight, getattr(module, "bias", None), self.channel_dim, tap)
+        return out.to(x.dtype) if widen else out
 
     def prepare(self, rec: Record) -> None:
         """Per-sample grads are small (B x C): take them now and free x_hat and g."""
@@ -132,13 +143,14 @@ class _FusedGroupNormFn(torch.autograd.Function):
 
 
 # Whether a functional norm, under the autocast state of the key, computes in its input's own
-# dtype: then the fused path (aten's native kernel on the same input) matches it exactly. CPU
-# autocast leaves layer and group norm alone; CUDA autocast runs them in float32, and there
+# dtype: then the fused path (aten's native kernel on the same input) matches it exactly, and the
+# unfused path computes a half-precision input in float32 and rounds its output once, as the plain
+# module does. CPU autocast leaves the norms alone; CUDA autocast runs them in float32, and there
 # the unfused path keeps autocast's casts.
 _AUTOCAST_KEEPS_DTYPE: Dict[tuple, bool] = {}
 
 
-def _fused_path_matches_autocast(norm, x: torch.Tensor) -> bool:
+def _autocast_keeps_dtype(norm, x: torch.Tensor) -> bool:
     device = x.device.type
     if not torch.is_autocast_enabled(device):
         return True
@@ -149,19 +161,15 @@ def _fused_path_matches_autocast(norm, x: torch.Tensor) -> bool:
     return _AUTOCAST_KEEPS_DTYPE[key]
 
 
-def _probe_layer_norm(x):
-    return F.layer_norm(x, x.shape[-1:])
-
-
-def _probe_group_norm(x):
-    return F.group_norm(x, 1)
-
-
 class LayerNormRule(_AffineNormRule):
     module_types = (nn.LayerNorm,)
 
+    @staticmethod
+    def probe(x):
+        return F.layer_norm(x, x.shape[-1:])
+
     def forward(self, module, tap: Tap, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() < 2 or x.shape[0] == 0 or not _fused_path_matches_autocast(_probe_layer_norm, x):
+        if x.dim() < 2 or x.shape[0] == 0 or not _autocast_keeps_dtype(self.probe, x):
             return super().forward(module, tap, x)  # checks, empty batch, autocast casts: unfused path
         return _FusedLayerNormFn.apply(x.contiguous(), module.weight, module.bias,
                                        list(module.normalized_shape), module.eps, tap)
@@ -174,6 +182,10 @@ class RMSNormRule(_AffineNormRule):
     module_types = (nn.RMSNorm,)
     param_names = ("weight",)
 
+    @staticmethod
+    def probe(x):
+        return F.rms_norm(x, x.shape[-1:])
+
     def normalize(self, module, x):
         return F.rms_norm(x, module.normalized_shape, None, module.eps)
 
@@ -182,8 +194,12 @@ class GroupNormRule(_AffineNormRule):
     module_types = (nn.GroupNorm,)
     channel_dim = True
 
+    @staticmethod
+    def probe(x):
+        return F.group_norm(x, 1)
+
     def forward(self, module, tap: Tap, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() < 2 or x.shape[0] == 0 or not _fused_path_matches_autocast(_probe_group_norm, x):
+        if x.dim() < 2 or x.shape[0] == 0 or not _autocast_keeps_dtype(self.probe, x):
             return super().forward(module, tap, x)  # checks, empty batch, autocast casts: unfused path
         return _FusedGroupNormFn.apply(x.contiguous(), module.weight, module.bias, module.num_groups,
                                        module.eps, tap)
@@ -202,6 +218,10 @@ class GroupNormRule(_AffineNormRule):
 class InstanceNormRule(_AffineNormRule):
     module_types = (nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
     channel_dim = True
+
+    @staticmethod
+    def probe(x):
+        return F.instance_norm(x)
 
     def check(self, module) -> None:
         if module.track_running_stats:
