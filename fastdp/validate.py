@@ -10,6 +10,7 @@ from typing import Iterable, List, Optional
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 
@@ -21,6 +22,18 @@ def find_problems(module: nn.Module, params: Optional[Iterable[torch.Tensor]] = 
     problems = []
     for path, child in module.named_modules():
         where = f"module '{path or '<root>'}' ({type(child).__name__})"
+        if isinstance(child, parametrize.ParametrizationList):
+            continue  # reported with the layer it parametrises
+        if parametrize.is_parametrized(child):
+            if not any(p.requires_grad for p in child.parameters()):
+                continue  # frozen: nothing to clip
+            tensors = ", ".join(f"'{n}'" for n in child.parametrizations)
+            problems.append(
+                f"{where} computes {tensors} from other parameters (torch.nn.utils.parametrizations: weight_norm, "
+                "spectral_norm, ...), which fastdp cannot clip per sample; remove the parametrisation "
+                f"(torch.nn.utils.parametrize.remove_parametrizations(layer, {next(iter(child.parametrizations))!r}))"
+                " or freeze the whole layer")
+            continue
         trainable = [n for n, p in child.named_parameters(recurse=False) if p.requires_grad]
         if isinstance(child, _BatchNorm):
             problems.append(
@@ -42,13 +55,11 @@ def find_problems(module: nn.Module, params: Optional[Iterable[torch.Tensor]] = 
                 )
             continue
         foreign = [n for n in trainable if n not in rule.param_names]
-        if foreign:  # a reparametrised weight: computed from these before each forward
+        if foreign:
             names = ", ".join(f"'{path + '.' if path else ''}{n}'" for n in foreign)
             problems.append(
                 f"{where} has trainable parameter(s) {names} that its rule does not clip (it clips "
-                f"{', '.join(rule.param_names)}): a weight computed from other parameters (torch.nn.utils."
-                "prune, weight_norm, spectral_norm) would get no gradient; remove the reparametrisation "
-                "(e.g. torch.nn.utils.prune.remove(module, 'weight')) or freeze those parameters"
+                f"{', '.join(rule.param_names)}): {_foreign_fix(child, foreign)}"
             )
         try:  # frozen modules too: state the data changes (running statistics) leaks without noise
             rule.check(child)
@@ -63,6 +74,21 @@ def find_problems(module: nn.Module, params: Optional[Iterable[torch.Tensor]] = 
                 "parameters of the module given to fastdp; pass the module that owns them"
             )
     return problems
+
+
+def _foreign_fix(module: nn.Module, names: List[str]) -> str:
+    """How to remove parameters a layer's rule does not clip: the undo of the legacy reparametrisation
+    (a weight recomputed from them before each forward) their names show, else freezing them."""
+    if any(n.endswith("_g") or n.endswith("_v") for n in names):
+        what, undo = "weight_norm", "torch.nn.utils.remove_weight_norm(module)"
+    elif any(n.endswith("_orig") for n in names) and any(b.endswith("_mask") for b, _ in module.named_buffers()):
+        what, undo = "pruning", "torch.nn.utils.prune.remove(module, 'weight')"
+    elif any(n.endswith("_orig") for n in names):
+        what, undo = "spectral_norm", "torch.nn.utils.remove_spectral_norm(module)"
+    else:
+        return "freeze them (requires_grad_(False)), or compute what they do in a supported layer"
+    return (f"a weight computed from them ({what}) would get no gradient; remove the reparametrisation ({undo}) "
+            "or freeze them")
 
 
 def validate(module: nn.Module, params: Optional[Iterable[torch.Tensor]] = None) -> None:

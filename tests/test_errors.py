@@ -1,4 +1,6 @@
 """Bad input gets a clear error naming the module/parameter and the fix; nothing is silently wrong."""
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -374,11 +376,37 @@ def test_reparametrised_weights_are_refused(reparametrise):
         else:
             getattr(torch.nn.utils, reparametrise)(layer)
     model = nn.Sequential(layer, nn.Tanh())
-    with pytest.raises(fastdp.UnsupportedModuleError, match=r"'0\.weight_(orig|g|v)'.*remove the reparametrisation"):
+    undo = {"prune": "torch.nn.utils.prune.remove(module, 'weight')",
+            "weight_norm": "torch.nn.utils.remove_weight_norm(module)",
+            "spectral_norm": "torch.nn.utils.remove_spectral_norm(module)"}[reparametrise]
+    with pytest.raises(fastdp.UnsupportedModuleError, match=r"'0\.weight_(orig|g|v)'.*remove the reparametrisation"
+                       + r" \(" + re.escape(undo)):
         make(model)
-    if reparametrise == "prune":
+    if reparametrise == "prune":  # the fix the message names (weight_norm's and spectral_norm's had named it too)
         prune.remove(layer, "weight")
-        make(model)  # the fix the message names
+    else:
+        getattr(torch.nn.utils, f"remove_{reparametrise}")(layer)
+    make(model)
+
+
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
+def test_parametrized_layers_are_refused_with_the_fix_that_works(kind):
+    """torch.nn.utils.parametrizations layers were refused as having 'no per-sample rule', with
+    advice (register a rule, freeze the bias) that could not work (review)."""
+    from torch.nn.utils import parametrizations, parametrize
+
+    layer = getattr(parametrizations, kind)(nn.Linear(4, 3))
+    model = nn.Sequential(layer, nn.Tanh())
+    with pytest.raises(fastdp.UnsupportedModuleError, match=r"computes 'weight' from other parameters.*"
+                       r"remove_parametrizations\(layer, 'weight'\)") as refused:
+        make(model)
+    assert "ParametrizationList" not in str(refused.value)
+    model.requires_grad_(False)
+    model.add_module("head", nn.Linear(3, 2))
+    make(model).detach()  # a frozen parametrised layer is no problem
+    parametrize.remove_parametrizations(layer, "weight")
+    model.requires_grad_(True)
+    make(model)
 
 
 @pytest.mark.parametrize("split", ["halves", "even/odd"])
