@@ -157,17 +157,23 @@ class GradSampleEngine:
         self._drop_pass()
 
     def _record(self, rec: Record) -> None:
+        """Take a hooked layer's record. One whose parameters this pass does not accumulate
+        (``backward(inputs=...)`` naming others) only marks its input as seen: a later pass through
+        the same forward, accumulating those parameters, would clip the same samples again."""
         task = torch._C._current_graph_task_id()
         if task != self._queued_task:  # the first record of this backward pass
             self._start_pass(task)
         x = rec.activation[0] if isinstance(rec.activation, tuple) else rec.activation
         if isinstance(x, torch.Tensor):
-            self._check_rows(rec.module, x)
             self._pass_inputs[id(x)] = (weakref.ref(x), x._version)
+            if not rec.params:
+                return
+            self._check_rows(rec.module, x)
             if x._base is not None and self.ledger is not None:  # a view of the batch (nn.Flatten)
                 self._pass_bases[id(x._base)] = weakref.ref(x._base)
-        rec.rule.prepare(rec)
-        self._pending.append(rec)
+        if rec.params:
+            rec.rule.prepare(rec)
+            self._pending.append(rec)
 
     def _start_pass(self, task: int) -> None:
         """Queue the end-of-pass callback in backward pass ``task``. What an earlier pass left is
@@ -212,6 +218,10 @@ class GradSampleEngine:
     def _finish_backward(self) -> None:
         records, inputs, bases = self._pending, self._pass_inputs, self._pass_bases
         self._drop_pass()
+        if not records:  # no private parameter accumulated (torch.autograd.grad): the pass adds nothing
+            return
+        # checks first, then everything the pass adds at once at the end: a pass that raises (a refusal,
+        # a non-finite sample, an interrupt) leaves no partial sums and no inputs marked as seen
         self._check_new_samples(inputs)
         if torch._C._current_autograd_node() is not None:
             # A backward pass run from inside another one's node (reentrant checkpointing): its
@@ -222,8 +232,6 @@ class GradSampleEngine:
                 "on its own; use torch.utils.checkpoint(..., use_reentrant=False)"
             )
         self.check_foreign_grads()
-        if not records:
-            return
         batch = self._batch_size(records)
         if batch == 0:  # an empty (Poisson) batch: nothing to clip, the step adds noise only
             return
@@ -271,12 +279,15 @@ class GradSampleEngine:
                       for p, g in shared.items()}
 
         coef_of = self._coefficients(params, norms, scale, total_sq, bad)
+        summed = dict(self.summed)
         for rec, names in own.items():
             sums = rec.rule.clipped_sums(rec, {n: coef_of(rec.params[n]) for n in names})
             for name, s in sums.items():
-                self._accumulate(rec.params[name], s)
+                self._accumulate(summed, rec.params[name], s)
         for p, grads in shared.items():
-            self._accumulate(p, weighted_sum(coef_of(p), grads))
+            self._accumulate(summed, p, weighted_sum(coef_of(p), grads))
+        self.summed = summed
+        self._step_inputs.update(inputs)
         self.samples_seen += batch
         if found is not None:
             self.pass_batches.update(found)
@@ -304,16 +315,15 @@ class GradSampleEngine:
         """Each backward pass before a step adds its samples' clipped sums, so it must see new
         samples: a layer input (same tensor, unchanged) already seen in an earlier pass since the
         last step means the same samples twice, with noise for once."""
-        seen = self._step_inputs
+        seen = self._step_inputs  # the passes since the last step add theirs when they complete
         if any(key in seen and ref() is not None and seen[key][0]() is ref() and seen[key][1] == version
                for key, (ref, version) in inputs.items()):
             raise UnsupportedModuleError(
                 "the same samples were backpropagated twice before step() (a layer saw the same "
                 "input tensor in two backward() calls): fastdp clips each backward call's samples "
                 "on their own, so they would count twice while the noise is scaled for once; add "
-                "the losses and call backward() once"
+                "the losses and call backward() once (also with backward(inputs=...) for parts of the model)"
             )
-        seen.update(inputs)
 
     def _coefficients(self, params: List[torch.Tensor], norms: List[torch.Tensor], scale: float,
                       total_sq: torch.Tensor, bad: Optional[torch.Tensor]):
@@ -377,18 +387,17 @@ class GradSampleEngine:
         self.skipped_samples += len(bad)
         return (~finite).to(next(iter(sq_norms.values())).device)
 
-    def _accumulate(self, p: torch.Tensor, s: torch.Tensor) -> None:
-        """Add a clipped sum, kept in the compute dtype (float32 for half-precision parameters):
-        rounded to the parameter's dtype only once, after the noise (the optimizer does that)."""
+    @staticmethod
+    def _accumulate(summed: Dict[torch.Tensor, torch.Tensor], p: torch.Tensor, s: torch.Tensor) -> None:
+        """Add a clipped sum to ``summed`` (a copy of the engine's until the pass completes: out of
+        place), kept in the compute dtype (float32 for half-precision parameters): rounded to the
+        parameter's dtype only once, after the noise (the optimizer does that)."""
         dtype = compute_dtype(p.dtype)
         if s.dtype != dtype:  # rules return fresh tensors: no copy needed otherwise
             s = s.to(dtype)
         if s.shape != p.shape:
             s = s.view_as(p)
-        if p in self.summed:
-            self.summed[p].add_(s)
-        else:
-            self.summed[p] = s
+        summed[p] = summed[p] + s if p in summed else s
 
     def _module_name(self, module: nn.Module) -> str:
         for name, m in self.module.named_modules():

@@ -1,4 +1,5 @@
 """Bad input gets a clear error naming the module/parameter and the fix; nothing is silently wrong."""
+import copy
 import re
 
 import pytest
@@ -546,3 +547,63 @@ def test_a_pass_with_more_rows_than_its_loader_batch_has_samples_is_refused():
     opt.zero_grad()
     model(torch.stack([x[:, :2], x[:, 2:]], 1)).square().sum().backward()  # views on dim 1: one row per sample
     opt.step()
+
+
+def test_two_backward_passes_splitting_the_parameters_of_one_forward_are_refused():
+    """backward(inputs=[first layer]) then backward(inputs=[second layer]) through one forward clipped
+    each sample once per pass: its contribution reached sqrt(2) C while the noise was scaled for C (review)."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 1))
+    opt = make(model)
+    loss = model(torch.randn(4, 3)).square().sum()
+    loss.backward(inputs=list(model[0].parameters()), retain_graph=True)
+    with pytest.raises(fastdp.UnsupportedModuleError, match="backpropagated twice.*backward\\(inputs=...\\)"):
+        loss.backward(inputs=list(model[2].parameters()))
+    opt.zero_grad()
+    x = torch.randn(4, 3, requires_grad=True)  # a pass accumulating no parameter adds nothing, as before
+    torch.autograd.grad(model(x).sum(), x)
+    model(x).square().sum().backward()
+    opt.step()
+
+
+def _exact_step(model, x, **kw):
+    """The .grad one pass over x gives (noise 0)."""
+    clone = copy.deepcopy(model)
+    opt = make(clone, noise_multiplier=0.0, **kw)
+    clone(x).square().sum().backward()
+    opt.step()
+    return [p.grad for p in clone.parameters()]
+
+
+def test_a_pass_that_fails_at_its_end_adds_nothing_and_may_be_retried(monkeypatch):
+    """The pass's inputs were marked as seen before its last checks, so a retry after a refused pass
+    (a non-finite sample) was refused as the same samples twice; and an interrupt while the clipped
+    sums were added left some parameters holding the batch, which a retry on a copy added again (2C)
+    (review)."""
+    import fastdp.engine as engine
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    x = torch.randn(5, 3)
+    want = _exact_step(model, x, max_grad_norm=0.1)
+    opt = make(model, noise_multiplier=0.0, max_grad_norm=0.1)
+    weight = torch.ones(5, 1)
+    weight[1] = float("inf")
+    with pytest.raises(fastdp.NonFiniteGradientError):
+        (model(x).square() * weight).sum().backward()
+    real, calls = engine.GradSampleEngine._accumulate, []
+
+    def interrupted(summed, p, s):
+        calls.append(p)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real(summed, p, s)
+
+    monkeypatch.setattr(engine.GradSampleEngine, "_accumulate", staticmethod(interrupted))
+    with pytest.raises(KeyboardInterrupt):
+        model(x).square().sum().backward()  # the retry on the same tensor is accepted, then interrupted
+    assert not opt.engine.summed
+    monkeypatch.undo()
+    model(x.clone()).square().sum().backward()
+    opt.step()
+    for got, expected in zip((p.grad for p in model.parameters()), want):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)

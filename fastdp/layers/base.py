@@ -102,9 +102,11 @@ class Tap:
                 "gradients would escape per-sample clipping; compute such terms on a model copy "
                 "(copy.deepcopy) or without create_graph")
         params = _accumulated(ctx, self.params)
-        if params:
-            self.sink(Record(self.module, self.rule, params, _widen(activation), _widen(grad_output),
-                             grad_output.shape[0]))
+        if not params:  # the engine only notes the layer's input as seen (a later pass may accumulate them)
+            self.sink(Record(self.module, self.rule, params, activation, None, grad_output.shape[0]))
+            return
+        self.sink(Record(self.module, self.rule, params, _widen(activation), _widen(grad_output),
+                         grad_output.shape[0]))
 
 
 def _accumulated(ctx, params: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
