@@ -93,8 +93,8 @@ class GradSampleEngine:
         self.pass_batches: set = set()
         self._patched: List[nn.Module] = []
         self.adopt_current_grads()
+        self._warn_about_unprivatised()  # before hooking: a warning raised as an error leaves no hook behind
         self._patch()
-        self._warn_about_unprivatised()
 
     # -- hooks ---------------------------------------------------------------------------
     def _patch(self) -> None:
@@ -119,8 +119,8 @@ class GradSampleEngine:
 
     def _warn_about_unprivatised(self) -> None:
         """Hooked layers compute no gradient for parameters outside the optimizer: say so."""
-        left = [self.names.get(p, "?") for m in self._patched for p in rule_for(m).trainable(m).values()
-                if id(p) not in self._private_ids]
+        left = [self.names.get(p, "?") for m in self.module.modules() if rule_for(m) is not None
+                for p in rule_for(m).trainable(m).values() if id(p) not in self._private_ids]
         if left:
             warnings.warn(
                 f"parameter(s) {left[:8]} require grad but are not in the DP optimizer: fastdp's layers "

@@ -179,6 +179,21 @@ def test_trainable_parameters_outside_the_optimizer_are_named():
                            max_grad_norm=1.0, expected_batch_size=2)
 
 
+def test_the_warning_raised_as_an_error_leaves_the_module_unhooked():
+    """With warnings as errors the optimizer was never built but its hooks stayed: a rebuild was refused
+    as 'already hooked' and plain training got no gradient for the hooked layers (review)."""
+    import warnings
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="not in the DP optimizer"):
+            fastdp.DPOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.1), module=model, noise_multiplier=1.0,
+                               max_grad_norm=1.0, expected_batch_size=2)
+    model(torch.randn(2, 3)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
 def test_the_same_samples_backpropagated_twice_are_refused():
     """Two losses of one batch, each with its own backward(): each call is clipped on its own
     (virtual steps), so the batch's samples would count twice with noise for once (review)."""
