@@ -83,7 +83,7 @@ class PerLayerClipping:
 
     @property
     def sensitivity(self) -> float:
-        return math.sqrt(sum(c * c for c in self.bounds.values()))
+        return math.hypot(*self.bounds.values())  # no overflow of the squares for bounds past 1e154
 
     def coefficients(self, sq_norms, scale: float = 1.0, total_sq: Optional[torch.Tensor] = None):
         return {p: ops.clip_factors(n, self.bounds[p], scale, EPS, True) for p, n in sq_norms.items()}

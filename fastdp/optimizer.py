@@ -102,6 +102,7 @@ class DPOptimizer(torch.optim.Optimizer):
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         self._clipping_mode, self._gamma = clipping, gamma
         self.clipping = make_clipping(clipping, max_grad_norm, params, gamma)
+        _check_noise_std(self.noise_multiplier, self.clipping)
         self._max_grad_norm = max_grad_norm
         if seed is not None:
             try:
@@ -161,8 +162,9 @@ class DPOptimizer(torch.optim.Optimizer):
                 "max_grad_norm changed while clipped sums for the coming step exist (clipped to the old "
                 "bound, the noise would be scaled for the new one): change it after step() and before the "
                 "next backward()")
-        self.clipping = self.engine.clipping = make_clipping(self._clipping_mode, value, self.engine.params,
-                                                             self._gamma)
+        clipping = make_clipping(self._clipping_mode, value, self.engine.params, self._gamma)
+        _check_noise_std(self.noise_multiplier, clipping)
+        self.clipping = self.engine.clipping = clipping
         self._max_grad_norm = value
 
     @property
@@ -172,7 +174,10 @@ class DPOptimizer(torch.optim.Optimizer):
 
     @noise_multiplier.setter
     def noise_multiplier(self, value: float) -> None:
-        self._noise_multiplier = finite_number(value, "noise_multiplier", zero_ok=True)
+        value = finite_number(value, "noise_multiplier", zero_ok=True)
+        if hasattr(self, "clipping"):  # not yet while __init__ runs, which checks once both are set
+            _check_noise_std(value, self.clipping)
+        self._noise_multiplier = value
 
     @property
     def expected_batch_size(self) -> float:
@@ -187,7 +192,7 @@ class DPOptimizer(torch.optim.Optimizer):
     @property
     def noise_std(self) -> float:
         """Std of the Gaussian noise on the summed clipped gradient: sigma times the sensitivity."""
-        return self.noise_multiplier * self.clipping.sensitivity
+        return _noise_std(self.noise_multiplier, self.clipping)
 
     @property
     def skipped_samples(self) -> int:
@@ -440,6 +445,18 @@ class DPOptimizer(torch.optim.Optimizer):
         # between backward() and step()): stepped with the reloaded loader's batch, its samples would count twice
         self.engine.clear()
         self._skip_next_step = self._logical_batch_open = False
+
+
+def _noise_std(sigma: float, clipping) -> float:
+    return 0.0 if sigma == 0 else sigma * clipping.sensitivity
+
+
+def _check_noise_std(sigma: float, clipping) -> None:
+    """Refuse a noise std that is not a finite float (sigma times a huge bound): found at the
+    step, it would come after the step was counted."""
+    if not math.isfinite(_noise_std(sigma, clipping)):
+        raise ValueError(f"the noise std, noise_multiplier ({sigma}) times the clipping sensitivity "
+                         f"({clipping.sensitivity}), overflows a float: lower max_grad_norm or noise_multiplier")
 
 
 _STEP_WITH_HOOKS = torch.optim.Optimizer.profile_hook_step(DPOptimizer._dp_step)

@@ -622,3 +622,25 @@ def test_a_pass_that_fails_at_its_end_adds_nothing_and_may_be_retried(monkeypatc
     opt.step()
     for got, expected in zip((p.grad for p in model.parameters()), want):
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_a_noise_std_that_overflows_is_refused_when_set_and_sigma_zero_needs_none():
+    """sigma * sensitivity overflowing (or 0 * inf) was found only inside step(), after the step was
+    counted and the clipped sums taken: every later step failed the same way (review)."""
+    model = nn.Sequential(nn.Linear(3, 2))
+    with pytest.raises(ValueError, match="noise std.*overflows"):
+        make(model, max_grad_norm=1e300, noise_multiplier=1e10)
+    opt = make(model, max_grad_norm=1e300, noise_multiplier=10.0)
+    with pytest.raises(ValueError, match="overflows"):
+        opt.noise_multiplier = 1e10
+    with pytest.raises(ValueError, match="overflows"):
+        opt.max_grad_norm = 1e308
+    assert opt.noise_multiplier == 10.0 and opt.max_grad_norm == 1e300  # unchanged
+    opt.detach()
+    opt = make(model, max_grad_norm=[1e200, 1e200], noise_multiplier=0.0, clipping="per_layer")
+    assert opt.noise_std == 0.0
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+    opt.detach()
+    assert make(model, max_grad_norm=1e160, noise_multiplier=1.0, clipping="per_layer").noise_std == pytest.approx(1e160)
