@@ -227,3 +227,48 @@ def test_conv_direct_keep_route_is_timed_and_exact(monkeypatch):
     assert timed == [{("ghost", False), ("direct", False), ("instantiate", False), ("direct-keep", False)}]
     monkeypatch.setattr(conv, "_FASTEST_ROUTE", {k: ("direct-keep", False) for k in conv._FASTEST_ROUTE})
     check_exact(model, [torch.randn(4, 3, 4, 4)])
+
+
+class _Scale(nn.Module):
+    """y = x * scale, one learned factor per feature."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(n))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+class _ScaleFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale, tap):
+        ctx.save_for_backward(x, scale)
+        ctx.tap = tap
+        return x * scale
+
+    @staticmethod
+    def backward(ctx, g):
+        x, scale = ctx.saved_tensors
+        ctx.tap.fire(ctx, x, g)
+        return g * scale, None, None
+
+
+def test_a_registered_rule_may_name_its_parameter_freely():
+    """A rule whose parameter was not called weight or bias crashed with KeyError: the engine found
+    parameters among its Function's inputs by those two names (review)."""
+    from fastdp.layers import LayerRule, register
+
+    class ScaleRule(LayerRule):
+        module_types = (_Scale,)
+        param_names = ("scale",)
+
+        def forward(self, module, tap, x):
+            return _ScaleFn.apply(x, module.scale, tap)
+
+        def per_sample_grads(self, rec, names):
+            return {n: rec.activation * rec.grad_output for n in names}
+
+    register(ScaleRule())
+    torch.manual_seed(0)
+    check_exact(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), _Scale(4)), [torch.randn(5, 3)])

@@ -75,11 +75,6 @@ class Record:
         self.cache = {k: zeroed(v) for k, v in self.cache.items()}
 
 
-# Where each parameter sits among the inputs of every rule's autograd Function:
-# (input, weight, bias, ...).
-FUNCTION_INPUT_INDEX = {"weight": 1, "bias": 2}
-
-
 class Tap:
     """Created per forward call with the trainable parameters it used (by name); the
     Function's backward calls :meth:`fire` with its ``ctx`` and what it saw."""
@@ -101,7 +96,7 @@ class Tap:
                 "support no double backward (gradient penalties, higher-order gradients), whose parameter "
                 "gradients would escape per-sample clipping; compute such terms on a model copy "
                 "(copy.deepcopy) or without create_graph")
-        params = _accumulated(ctx, self.params)
+        params = _accumulated(ctx, self.params, self.rule.param_names)
         if not params:  # the engine only notes the layer's input as seen (a later pass may accumulate them)
             self.sink(Record(self.module, self.rule, params, activation, None, grad_output.shape[0]))
             return
@@ -109,12 +104,13 @@ class Tap:
                          grad_output.shape[0]))
 
 
-def _accumulated(ctx, params: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+def _accumulated(ctx, params: Dict[str, torch.Tensor], order: Tuple[str, ...]) -> Dict[str, torch.Tensor]:
     """The entries of ``params`` whose gradient accumulator the running backward pass executes,
-    found from the Function's ``ctx`` (its node: ``next_functions`` are its inputs' nodes)."""
+    found from the Function's ``ctx`` (its node: ``next_functions`` are its inputs' nodes; the
+    Function takes ``(input, *parameters in the rule's param_names order, ...)``)."""
     kept = {}
     for name, p in params.items():
-        node = ctx.next_functions[FUNCTION_INPUT_INDEX[name]][0]
+        node = ctx.next_functions[1 + order.index(name)][0]
         try:
             runs = torch._C._will_engine_execute_node(node)
         except RuntimeError:  # raised for a leaf's node under torch.autograd.grad, which accumulates nothing
@@ -134,7 +130,10 @@ def _widen(x: Any) -> Any:
 
 
 class LayerRule:
-    """Per-sample gradient rule for one family of layers; subclasses set ``module_types``."""
+    """Per-sample gradient rule for one family of layers; subclasses set ``module_types`` (and
+    ``param_names``). :meth:`forward` runs the module through an autograd Function taking
+    ``(input, *the parameters in param_names order, ...)`` whose backward calls
+    ``tap.fire(ctx, activation, grad_output)`` and returns no gradient for the parameters."""
 
     module_types: Tuple[type, ...] = ()
     param_names: Tuple[str, ...] = ("weight", "bias")
