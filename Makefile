@@ -72,4 +72,4 @@ bench: install
 	$(PY) -m fastdp bench
 
 clean:
-	rm -rf build *.egg-info fastdp/*.so .pytest_cache .hypothesis
+	rm -rf build *.egg-info fastdp/*.so .pytest_cache .hypothesis $(VENV)/.installed

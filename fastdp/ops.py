@@ -9,8 +9,9 @@ Backend choice, per call, by the tensor's device:
 * ``FASTDP_BACKEND=reference`` forces the references (tests, bisecting);
 * ``FASTDP_BACKEND=native`` / ``triton`` prefers that backend where it has the op;
 * unset (``auto``): CUDA tensors use ``triton``, then ``native`` (CUDA C++ through
-  ``fastdp._cuda_ops``); CPU tensors use ``native`` (C++ in ``fastdp._C``); anything
-  missing, or registered ``auto=False``, falls back to the reference.
+  ``fastdp._cuda_ops``); CPU tensors use ``native`` (C++ in ``fastdp._C``); a backend
+  missing the op, or registered ``auto=False`` for it, is passed over for the next in that
+  order, and the reference runs where none is left.
 
 Conventions shared by all implementations:
 

@@ -483,3 +483,13 @@ def test_pld_with_a_full_batch_step_of_tiny_sigma_in_the_history():
         acc.step(noise_multiplier=1.0, sample_rate=0.01, num_steps=100)
         acc.step(noise_multiplier=0.02, sample_rate=1.0)
     assert math.isfinite(pld.epsilon(1e-5)) and pld.epsilon(1e-5) == pytest.approx(rdp.epsilon(1e-5))
+
+
+def test_pld_falling_back_to_rdp_gives_no_advice_it_cannot_take():
+    """The fallback's OrderGridWarning told users to pass an 'orders' grid PLDAccountant does not take (review)."""
+    import warnings
+
+    acc = PLDAccountant().step(noise_multiplier=0.02, sample_rate=0.01, num_steps=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert math.isfinite(acc.epsilon(1e-5))

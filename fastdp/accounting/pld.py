@@ -37,6 +37,7 @@ and the exact formula of Balle & Wang 2018 is used instead.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -498,11 +499,13 @@ class PLDAccountant(Accountant):
         # outgrows RDP's slack (measured: delta below ~1e-45, or ~1e9 steps); checked with a
         # margin, at ~50 ms a call.
         if math.isinf(epsilon) or delta < RDP_CHECK_DELTA or sum(counts.values()) >= RDP_CHECK_STEPS:
-            from .rdp import RDPAccountant
+            from .rdp import OrderGridWarning, RDPAccountant
             rdp = RDPAccountant()
             for (sigma, q), steps in counts.items():
                 rdp.step(noise_multiplier=sigma, sample_rate=q, num_steps=steps)
-            epsilon = min(epsilon, rdp.epsilon(delta))
+            with warnings.catch_warnings():  # its advice (a wider 'orders' grid) is not this accountant's to take
+                warnings.simplefilter("ignore", OrderGridWarning)
+                epsilon = min(epsilon, rdp.epsilon(delta))
         return epsilon
 
     def direction_epsilons(self, counts: Dict[Tuple[float, float], int], delta: float) -> Dict[str, float]:
