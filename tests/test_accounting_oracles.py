@@ -153,7 +153,10 @@ def test_pld_one_step_at_a_tiny_sample_rate_is_the_exact_epsilon():
 
 @pytest.mark.parametrize("q, sigma, steps, delta", [(1e-6, 0.7, 100, 1e-12),
                                                     (1e-4, 1.0, 100, 1e-12), (1e-4, 0.4, 100, 1e-12),
-                                                    (1e-6, 0.3, 10_000, 1e-5)])
+                                                    (1e-6, 0.3, 10_000, 1e-5),
+                                                    # the lower window edge that grid gave left the tilted pass no
+                                                    # room at delta ~1e-9: 5.76 and 9.78 (review)
+                                                    (1e-5, 0.5, 10_000, 1e-9), (1e-6, 0.4, 10_000, 1e-9)])
 def test_pld_at_small_sample_rates_and_deltas(q, sigma, steps, delta):
     """The Chernoff grid of the FFT window started at lam0 / 64, still ~100 for tiny q: the window
     reached far past the real mass and its FFT noise bound, summed, exceeded delta. eps came out up

@@ -241,6 +241,9 @@ def subsampled_gaussian_pld(
 _LAMBDA_STEPS = np.power(2.0, np.arange(-48, 13) / 2.0)
 
 
+_LOG_LOW_TAIL = math.log(1e-17)
+
+
 def _log_mgf(pld: DiscretePLD, lambdas: np.ndarray) -> np.ndarray:
     """log E[exp(lam * L); L finite] for each lam (any sign), from the exact grid masses."""
     keep = pld.probs > 0
@@ -392,7 +395,10 @@ def compose_plds(
         neg += count * _log_mgf(pld, -lambdas)
         log_keep += count * math.log1p(-pld.inf_mass) if pld.inf_mass < 1.0 else -math.inf
     hi_loss = float(np.min((pos - log_tail) / lambdas))
-    lo_loss = float(np.max((log_tail - neg) / lambdas))
+    # the lower edge keeps at most 1e-17 below it where a tilted pass may run: that pass needs its own
+    # mass below the edge under 1e-16 (wrap-around), which a window cut at a larger tail cannot give
+    log_low = min(log_tail, _LOG_LOW_TAIL) if delta is not None else log_tail
+    lo_loss = float(np.max((log_low - neg) / lambdas))
     hi = math.ceil(hi_loss / h)
     lo = math.floor(lo_loss / h)
     if hi < lo:  # the finite mass is below the tail allowance (a step that nearly always hits +inf)
