@@ -50,7 +50,11 @@ def state_dict(*, model: nn.Module, optimizer, data_loader=None, include_secrets
     if optimizer.engine.summed:
         raise RuntimeError("clipped gradients are pending (backward() ran since the last step()): "
                            "checkpoint after optimizer.step() or zero_grad()")
-    data_loader = _poisson_loader(data_loader if data_loader is not None else optimizer.loader)
+    if data_loader is False:  # as load takes it: no loader position
+        data_loader = None
+    elif data_loader is None:
+        data_loader = optimizer.loader
+    data_loader = _poisson_loader(data_loader)
     return {
         "format": FORMAT,
         "model": model.state_dict(),

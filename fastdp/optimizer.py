@@ -16,12 +16,14 @@ populated: autograd skips the unclipped weight gradients entirely.
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
 import operator
 import os
 import warnings
+import weakref
 from collections import OrderedDict
-from typing import Callable, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.optim.optimizer as torch_optimizer_module
@@ -121,10 +123,11 @@ class DPOptimizer(torch.optim.Optimizer):
         self._detached = False
         # last: it hooks the module, so nothing after it may fail and leave the hooks behind
         self.engine = GradSampleEngine(module, params, self.clipping, loss_reduction, nonfinite)
-        # seeds drawn per noise key, kept on the module: an optimizer rebuilt on it with the same seed
-        # (after detach()) continues the stream instead of releasing the earlier steps' noise again
-        self._draws_by_key = module.__dict__.setdefault("_fastdp_noise_draws", {})
-        self._noise_draws = self._draws_by_key.get(self._noise_key, 0)
+        # seeds drawn per noise key and module: an optimizer rebuilt on the module with the same seed (after
+        # detach()) continues the stream instead of releasing the earlier steps' noise again. Kept in this
+        # process only (not on the module, which is pickled and copied), under a digest of the secret key
+        self._draws_by_key = _NOISE_DRAWS.setdefault(module, {})
+        self._noise_draws = self._draws_by_key.get(self._key_digest(), 0)
 
     # -- what torch.optim.Optimizer users and LR schedulers read --------------------------
     @property
@@ -277,8 +280,12 @@ class DPOptimizer(torch.optim.Optimizer):
         no two draws of a run share a seed (a bijection of distinct inputs) and the stream is
         checkpointed by two integers. Pure Python: no tensor op on the step's critical path."""
         self._noise_draws += 1
-        self._draws_by_key[self._noise_key] = max(self._draws_by_key.get(self._noise_key, 0), self._noise_draws)
+        digest = self._key_digest()
+        self._draws_by_key[digest] = max(self._draws_by_key.get(digest, 0), self._noise_draws)
         return _splitmix64(self._noise_key + self._noise_draws * _GOLDEN)
+
+    def _key_digest(self) -> bytes:
+        return hashlib.sha256(self._noise_key.to_bytes(8, "little")).digest()
 
     def noisy_average(self, sums: List[torch.Tensor], divisor: float,
                       dtypes: Optional[List[torch.dtype]] = None) -> List[torch.Tensor]:
@@ -458,5 +465,8 @@ def _check_noise_std(sigma: float, clipping) -> None:
         raise ValueError(f"the noise std, noise_multiplier ({sigma}) times the clipping sensitivity "
                          f"({clipping.sensitivity}), overflows a float: lower max_grad_norm or noise_multiplier")
 
+
+# module -> {digest of a noise key: seeds drawn under it}, for as long as the module lives
+_NOISE_DRAWS: "weakref.WeakKeyDictionary[nn.Module, Dict[bytes, int]]" = weakref.WeakKeyDictionary()
 
 _STEP_WITH_HOOKS = torch.optim.Optimizer.profile_hook_step(DPOptimizer._dp_step)

@@ -359,6 +359,7 @@ def test_checkpoint_takes_a_batch_memory_manager_for_its_loader():
     assert loader.batches_consumed == 3
     with pytest.raises(TypeError, match="Poisson loader"):
         checkpoint.state_dict(model=model, optimizer=opt, data_loader=DataLoader(dataset(), batch_size=BATCH))
+    assert checkpoint.state_dict(model=model, optimizer=opt, data_loader=False)["data_loader"] is None
 
 
 def test_loading_over_other_recorded_steps_warns():

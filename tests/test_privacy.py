@@ -1,4 +1,5 @@
 """make_private: calibration, the accountant it attaches, sampling and argument errors."""
+import copy
 import itertools
 import math
 import warnings
@@ -620,3 +621,21 @@ def test_a_plain_optimizer_state_is_refused_with_a_clear_message():
                              max_grad_norm=1.0, expected_batch_size=4)
     with pytest.raises(ValueError, match="not a fastdp DPOptimizer state"):
         opt.load_state_dict(torch.optim.SGD(model.parameters(), lr=0.1).state_dict())
+
+
+def test_the_noise_key_does_not_travel_with_the_model():
+    """The count of seeds drawn was kept in module.__dict__ under the raw noise key, so torch.save(model)
+    or a deepcopy carried the key: with it the released gradients' noise could be subtracted (review)."""
+    import io
+    import pickle
+
+    model = nn.Linear(6, 5)
+    opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), module=model, noise_multiplier=1.0,
+                             max_grad_norm=1.0, expected_batch_size=4)
+    _noise_of_steps(opt, model, 2)
+    key = opt._noise_key
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    for blob in (buf.getvalue(), pickle.dumps(copy.deepcopy(model))):
+        assert key.to_bytes(8, "little") not in blob and str(key).encode() not in blob
+    assert not any(key in getattr(v, "keys", lambda: ())() for v in vars(model).values() if isinstance(v, dict))
