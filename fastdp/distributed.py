@@ -119,6 +119,21 @@ class DistributedDPOptimizer(DPOptimizer):
         if self.rank == 0:
             super().attach_accountant(accountant, sample_rate)
 
+    def attach_loader(self, loader) -> None:
+        """Only this rank's shard loader (:func:`distributed_poisson_loader` with this group's rank and
+        size): a loader of the whole dataset on every rank would put each sample in the sum up to
+        world_size times (sensitivity up to W C) with noise for C."""
+        sampler = getattr(loader, "batch_sampler", None)
+        if not isinstance(sampler, DistributedPoissonBatchSampler) or \
+                (sampler.rank, sampler.world_size) != (self.rank, self.world_size):
+            got = (f"rank {sampler.rank} of {sampler.world_size}" if isinstance(sampler, DistributedPoissonBatchSampler)
+                   else type(sampler).__name__)
+            raise ValueError(
+                f"DistributedDPOptimizer (rank {self.rank} of {self.world_size}) needs this rank's shard loader: "
+                f"fastdp.distributed_poisson_loader(data_loader, rank={self.rank}, world_size={self.world_size}); "
+                f"got {got} (a loader of the whole dataset on every rank puts each sample in the sum several times)")
+        super().attach_loader(loader)
+
     def epsilon(self, delta: float) -> float:
         if self.rank != 0:
             raise RuntimeError("the accountant lives on rank 0: ask rank 0 for epsilon")

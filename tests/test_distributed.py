@@ -81,6 +81,19 @@ def worker(rank, port, out):
         loader = distributed_poisson_loader(DataLoader(TensorDataset(x[:1], y[:1]), batch_size=1), steps=2)
         train(model, opt, loader)
         result["tiny"] = [p.detach().clone() for p in model.parameters()]
+        # 4. attach_loader takes only this rank's shard loader
+        refusals = []
+        whole = fastdp.poisson_loader(DataLoader(TensorDataset(x, y), batch_size=1), sample_rate=RATE, seed=SEED)
+        wrong = distributed_poisson_loader(DataLoader(TensorDataset(x, y), batch_size=1), sample_rate=RATE,
+                                           seed=SEED, rank=0, world_size=1)
+        for loader in (whole, wrong):
+            try:
+                opt.attach_loader(loader)
+            except ValueError as exc:
+                refusals.append(str(exc))
+        opt.attach_loader(distributed_poisson_loader(DataLoader(TensorDataset(x, y), batch_size=1),
+                                                     sample_rate=RATE, seed=SEED))
+        result["refusals"] = refusals
         torch.save(result, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -169,3 +182,11 @@ def test_bad_rank_and_missing_process_group():
     with pytest.raises(RuntimeError, match="init_process_group"):
         DistributedDPOptimizer(torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=1), module=nn.Linear(2, 2),
                                noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=2)
+
+
+def test_attach_loader_takes_only_this_ranks_shard_loader(runs):
+    """A loader of the whole dataset (or a shard loader of another rank layout) was accepted: every rank
+    drew the same batch and the all-reduced sum held each sample twice, with noise for once (review)."""
+    for rank in runs:
+        assert len(rank["refusals"]) == 2
+        assert all("this rank's shard loader" in msg for msg in rank["refusals"])
