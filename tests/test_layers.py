@@ -272,3 +272,53 @@ def test_a_registered_rule_may_name_its_parameter_freely():
     register(ScaleRule())
     torch.manual_seed(0)
     check_exact(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), _Scale(4)), [torch.randn(5, 3)])
+
+
+class _ScaleShiftGain(nn.Module):
+    """y = (x * scale + shift) * gain, shift optional (None)."""
+
+    def __init__(self, n, shift=True):
+        super().__init__()
+        self.scale, self.gain = nn.Parameter(torch.randn(n)), nn.Parameter(torch.randn(n))
+        self.shift = nn.Parameter(torch.randn(n)) if shift else None
+
+    def forward(self, x):
+        return (x * self.scale + (0 if self.shift is None else self.shift)) * self.gain
+
+
+class _ScaleShiftGainFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale, shift, gain, tap):
+        ctx.save_for_backward(x, scale, gain)
+        ctx.tap = tap
+        return (x * scale + (0 if shift is None else shift)) * gain
+
+    @staticmethod
+    def backward(ctx, g):
+        x, scale, gain = ctx.saved_tensors
+        ctx.tap.fire(ctx, x, g)
+        return g * gain * scale, None, None, None, None
+
+
+@pytest.mark.parametrize("shift", [True, False])
+def test_a_registered_rule_may_pass_none_for_an_absent_parameter(shift):
+    """autograd leaves None inputs out of next_functions: a None before a later parameter made the
+    engine read the wrong node, or none (IndexError) (review)."""
+    from fastdp.layers import LayerRule, register
+
+    class Rule(LayerRule):
+        module_types = (_ScaleShiftGain,)
+        param_names = ("scale", "shift", "gain")
+
+        def forward(self, module, tap, x):
+            return _ScaleShiftGainFn.apply(x, module.scale, module.shift, module.gain, tap)
+
+        def per_sample_grads(self, rec, names):
+            module, x, g = rec.module, rec.activation, rec.grad_output
+            pre = x * module.scale + (0 if module.shift is None else module.shift)
+            grads = {"scale": g * module.gain * x, "shift": g * module.gain, "gain": g * pre}
+            return {n: grads[n].detach() for n in names}
+
+    register(Rule())
+    torch.manual_seed(0)
+    check_exact(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), _ScaleShiftGain(4, shift)), [torch.randn(5, 3)])

@@ -96,7 +96,7 @@ class Tap:
                 "support no double backward (gradient penalties, higher-order gradients), whose parameter "
                 "gradients would escape per-sample clipping; compute such terms on a model copy "
                 "(copy.deepcopy) or without create_graph")
-        params = _accumulated(ctx, self.params, self.rule.param_names)
+        params = _accumulated(ctx, self.params, self.rule)
         if not params:  # the engine only notes the layer's input as seen (a later pass may accumulate them)
             self.sink(Record(self.module, self.rule, params, activation, None, grad_output.shape[0]))
             return
@@ -104,13 +104,18 @@ class Tap:
                          grad_output.shape[0]))
 
 
-def _accumulated(ctx, params: Dict[str, torch.Tensor], order: Tuple[str, ...]) -> Dict[str, torch.Tensor]:
+def _accumulated(ctx, params: Dict[str, torch.Tensor], rule: "LayerRule") -> Dict[str, torch.Tensor]:
     """The entries of ``params`` whose gradient accumulator the running backward pass executes,
-    found from the Function's ``ctx`` (its node: ``next_functions`` are its inputs' nodes; the
-    Function takes ``(input, *parameters in the rule's param_names order, ...)``)."""
+    found from the Function's ``ctx``: ``next_functions`` are its inputs' nodes (none for an input
+    passed as None), a parameter's being the accumulator whose ``variable`` it is."""
+    nodes = {id(node.variable): node for node, _ in ctx.next_functions if hasattr(node, "variable")}
     kept = {}
     for name, p in params.items():
-        node = ctx.next_functions[1 + order.index(name)][0]
+        node = nodes.get(id(p))
+        if node is None:
+            raise UnsupportedModuleError(
+                f"{type(rule).__name__}'s autograd Function did not take parameter '{name}' itself as an input "
+                "(a view or copy of it was passed): fastdp cannot tell whether this backward pass accumulates it")
         try:
             runs = torch._C._will_engine_execute_node(node)
         except RuntimeError:  # raised for a leaf's node under torch.autograd.grad, which accumulates nothing
@@ -131,9 +136,9 @@ def _widen(x: Any) -> Any:
 
 class LayerRule:
     """Per-sample gradient rule for one family of layers; subclasses set ``module_types`` (and
-    ``param_names``). :meth:`forward` runs the module through an autograd Function taking
-    ``(input, *the parameters in param_names order, ...)`` whose backward calls
-    ``tap.fire(ctx, activation, grad_output)`` and returns no gradient for the parameters."""
+    ``param_names``). :meth:`forward` runs the module through an autograd Function that takes the
+    parameters themselves among its inputs (not views or copies; None for an absent one), whose
+    backward calls ``tap.fire(ctx, activation, grad_output)`` and returns no gradient for them."""
 
     module_types: Tuple[type, ...] = ()
     param_names: Tuple[str, ...] = ("weight", "bias")
