@@ -77,18 +77,22 @@ def find_problems(module: nn.Module, params: Optional[Iterable[torch.Tensor]] = 
 
 
 def _foreign_fix(module: nn.Module, names: List[str]) -> str:
-    """How to remove parameters a layer's rule does not clip: the undo of the legacy reparametrisation
-    (a weight recomputed from them before each forward) their names show, else freezing them."""
-    if any(n.endswith("_g") or n.endswith("_v") for n in names):
-        what, undo = "weight_norm", "torch.nn.utils.remove_weight_norm(module)"
-    elif any(n.endswith("_orig") for n in names) and any(b.endswith("_mask") for b, _ in module.named_buffers()):
-        what, undo = "pruning", "torch.nn.utils.prune.remove(module, 'weight')"
-    elif any(n.endswith("_orig") for n in names):
-        what, undo = "spectral_norm", "torch.nn.utils.remove_spectral_norm(module)"
-    else:
+    """How to remove parameters a layer's rule does not clip: for each legacy reparametrisation their
+    names show (a tensor recomputed from them before each forward), its undo; else freezing them."""
+    buffers = {b for b, _ in module.named_buffers(recurse=False)}
+    undo = {}
+    for n in names:
+        if n.endswith("_g") or n.endswith("_v"):
+            undo[n[:-2]] = f"torch.nn.utils.remove_weight_norm(module, {n[:-2]!r})"
+        elif n.endswith("_orig") and n[:-5] + "_mask" in buffers:
+            undo[n[:-5]] = f"torch.nn.utils.prune.remove(module, {n[:-5]!r})"
+        elif n.endswith("_orig"):
+            undo[n[:-5]] = f"torch.nn.utils.remove_spectral_norm(module, {n[:-5]!r})"
+    if not undo:
         return "freeze them (requires_grad_(False)), or compute what they do in a supported layer"
-    return (f"a weight computed from them ({what}) would get no gradient; remove the reparametrisation ({undo}) "
-            "or freeze them")
+    tensors = ", ".join(f"'{t}'" for t in undo)
+    return (f"{tensors} computed from them (weight_norm, spectral_norm or pruning) would get no gradient; remove "
+            f"the reparametrisation ({'; '.join(undo.values())}) or freeze them")
 
 
 def validate(module: nn.Module, params: Optional[Iterable[torch.Tensor]] = None) -> None:

@@ -393,16 +393,19 @@ def test_reparametrised_weights_are_refused(reparametrise):
             getattr(torch.nn.utils, reparametrise)(layer)
     model = nn.Sequential(layer, nn.Tanh())
     undo = {"prune": "torch.nn.utils.prune.remove(module, 'weight')",
-            "weight_norm": "torch.nn.utils.remove_weight_norm(module)",
-            "spectral_norm": "torch.nn.utils.remove_spectral_norm(module)"}[reparametrise]
+            "weight_norm": "torch.nn.utils.remove_weight_norm(module, 'weight')",
+            "spectral_norm": "torch.nn.utils.remove_spectral_norm(module, 'weight')"}[reparametrise]
     with pytest.raises(fastdp.UnsupportedModuleError, match=r"'0\.weight_(orig|g|v)'.*remove the reparametrisation"
                        + r" \(" + re.escape(undo)):
         make(model)
     if reparametrise == "prune":  # the fix the message names (weight_norm's and spectral_norm's had named it too)
         prune.remove(layer, "weight")
     else:
-        getattr(torch.nn.utils, f"remove_{reparametrise}")(layer)
-    make(model)
+        getattr(torch.nn.utils, f"remove_{reparametrise}")(layer, "weight")
+    make(model).detach()
+    prune.l1_unstructured(layer, "bias", amount=0.5)  # on another tensor: its own undo (it named 'weight')
+    with pytest.raises(fastdp.UnsupportedModuleError, match=re.escape("prune.remove(module, 'bias')")):
+        make(model)
 
 
 @pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm"])
