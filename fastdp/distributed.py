@@ -48,21 +48,22 @@ class DistributedPoissonBatchSampler(PoissonBatchSampler):
     """This rank's share of a Poisson batch with rate q over ``num_samples`` examples: global
     indices of its shard ``rank::world_size``, each included with probability q.
 
-    ``rank``/``world_size`` default to the default process group's. ``seed=None`` takes
-    rank 0's seed (OS entropy) by broadcast; ``secure_mode=True`` draws every batch from
-    fresh OS entropy on every rank.
+    ``rank``/``world_size`` default to ``process_group``'s (the default group's). ``seed=None``
+    takes the group's rank 0's seed (OS entropy) by broadcast within the group;
+    ``secure_mode=True`` draws every batch from fresh OS entropy on every rank.
     """
 
     def __init__(self, num_samples: int, sample_rate: float, steps: Optional[int] = None,
                  seed: Optional[int] = None, secure_mode: bool = False,
-                 rank: Optional[int] = None, world_size: Optional[int] = None):
+                 rank: Optional[int] = None, world_size: Optional[int] = None, process_group=None):
         if num_samples <= 0:
             raise ValueError(f"Poisson sampling needs a non-empty dataset, got {num_samples} samples")
-        self.rank, self.world_size = _rank_world(rank, world_size)
+        self.rank, self.world_size = _rank_world(rank, world_size, process_group)
         self.global_samples = int(num_samples)
         if seed is None and not secure_mode and dist.is_initialized():
             box = [os_entropy(128)]
-            dist.broadcast_object_list(box, src=0)
+            src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+            dist.broadcast_object_list(box, src=src, group=process_group)
             seed = box[0]
         shard = len(range(self.rank, self.global_samples, self.world_size))
         self._setup(shard, sample_rate, steps, seed, secure_mode)
@@ -87,12 +88,14 @@ class DistributedPoissonBatchSampler(PoissonBatchSampler):
 def distributed_poisson_loader(data_loader: DataLoader, sample_rate: Optional[float] = None,
                                steps: Optional[int] = None, seed: Optional[int] = None,
                                secure_mode: bool = False, rank: Optional[int] = None,
-                               world_size: Optional[int] = None) -> PoissonDataLoader:
+                               world_size: Optional[int] = None, process_group=None) -> PoissonDataLoader:
     """This rank's Poisson loader over ``data_loader``'s (full) dataset. The default rate is
     ``batch_size / N``: ``batch_size`` is the GLOBAL expected batch size, each rank
-    receiving about ``batch_size / world_size`` examples per step."""
+    receiving about ``batch_size / world_size`` examples per step. ``process_group``: the
+    DistributedDPOptimizer's, where it is not the default group."""
     dataset, n, sample_rate = dataset_and_rate(data_loader, sample_rate)
-    sampler = DistributedPoissonBatchSampler(n, sample_rate, steps, seed, secure_mode, rank, world_size)
+    sampler = DistributedPoissonBatchSampler(n, sample_rate, steps, seed, secure_mode, rank, world_size,
+                                             process_group)
     return PoissonDataLoader(dataset, sampler, collate_fn=EmptySafeCollate(dataset, data_loader.collate_fn),
                              **_loader_kwargs(data_loader))
 

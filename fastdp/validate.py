@@ -20,6 +20,10 @@ from fastdp.layers import UnsupportedModuleError, rule_for, supported_types
 def find_problems(module: nn.Module, params: Optional[Iterable[torch.Tensor]] = None) -> List[str]:
     """Every reason why ``module`` (training ``params``) cannot be made private, as messages."""
     problems = []
+    if isinstance(module, nn.parallel.DistributedDataParallel):
+        problems.append("the model is wrapped in DistributedDataParallel, whose all-reduce of unclipped gradients "
+                        "bypasses per-sample clipping: pass the plain module to fastdp.DistributedDPOptimizer, "
+                        "which all-reduces the clipped, noised sums itself")
     for path, child in module.named_modules():
         where = f"module '{path or '<root>'}' ({type(child).__name__})"
         if isinstance(child, parametrize.ParametrizationList):

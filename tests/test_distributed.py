@@ -94,6 +94,21 @@ def worker(rank, port, out):
         opt.attach_loader(distributed_poisson_loader(DataLoader(TensorDataset(x, y), batch_size=1),
                                                      sample_rate=RATE, seed=SEED))
         result["refusals"] = refusals
+        # 5. a loader of a subgroup's ranks, unseeded: the seed is broadcast within the group (it was broadcast
+        # on the default group, where rank 0 never joined: the ranks hung)
+        group = dist.new_group([1])
+        if rank == 1:
+            sub = distributed_poisson_loader(DataLoader(TensorDataset(x, y), batch_size=1), sample_rate=RATE,
+                                             process_group=group)
+            result["subgroup"] = (sub.batch_sampler.rank, sub.batch_sampler.world_size)
+        dist.barrier()  # rank 0 serves the store: it stays until rank 1's group is set up
+        # 6. a model wrapped in DistributedDataParallel is refused with the fix
+        try:
+            DistributedDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   module=nn.parallel.DistributedDataParallel(model), noise_multiplier=1.0,
+                                   max_grad_norm=C, expected_batch_size=1.0)
+        except fastdp.UnsupportedModuleError as exc:
+            result["ddp"] = str(exc)
         torch.save(result, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -190,3 +205,13 @@ def test_attach_loader_takes_only_this_ranks_shard_loader(runs):
     for rank in runs:
         assert len(rank["refusals"]) == 2
         assert all("this rank's shard loader" in msg for msg in rank["refusals"])
+
+
+def test_an_unseeded_loader_of_a_subgroup_broadcasts_its_seed_within_the_group(runs):
+    assert runs[1]["subgroup"] == (0, 1) and "subgroup" not in runs[0]
+
+
+def test_a_model_wrapped_in_distributed_data_parallel_is_refused(runs):
+    """DDP wrote zero gradients and the step was refused as 'a gradient from outside its layer's forward',
+    without naming DDP (review)."""
+    assert all("DistributedDataParallel" in rank["ddp"] for rank in runs)
