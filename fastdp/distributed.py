@@ -106,6 +106,8 @@ class DistributedDPOptimizer(DPOptimizer):
     q N. ``process_group`` defaults to the default group. Call :meth:`attach_loader` with this
     rank's :func:`distributed_poisson_loader` to have each step checked to take one batch."""
 
+    _sums_across_ranks = True
+
     def __init__(self, optimizer: torch.optim.Optimizer, *, process_group=None, **kwargs):
         if not dist.is_initialized():
             raise RuntimeError("DistributedDPOptimizer needs torch.distributed.init_process_group first")

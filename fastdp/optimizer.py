@@ -71,6 +71,8 @@ class DPOptimizer(torch.optim.Optimizer):
             OS entropy every step, hardened against floating-point attacks); no ``seed``.
     """
 
+    _sums_across_ranks = False  # DistributedDPOptimizer: the step all-reduces the ranks' sums
+
     def __init__(
         self,
         optimizer: torch.optim.Optimizer,
@@ -244,6 +246,10 @@ class DPOptimizer(torch.optim.Optimizer):
             raise TypeError(
                 f"attach_loader needs a fastdp PoissonDataLoader (it counts the batches it hands out), got "
                 f"{type(loader).__name__}: build it with fastdp.poisson_loader(data_loader) or make_private")
+        if getattr(loader.batch_sampler, "world_size", 1) > 1 and not self._sums_across_ranks:
+            raise ValueError("a distributed_poisson_loader hands out one rank's shard: a plain DPOptimizer would "
+                             "neither all-reduce the ranks' clipped sums nor add the noise once; use "
+                             "fastdp.DistributedDPOptimizer")
         rate = loader.batch_sampler.sample_rate
         if self.accountant is not None and not math.isclose(rate, self.sample_rate, rel_tol=1e-12):
             warnings.warn(

@@ -215,3 +215,15 @@ def test_a_model_wrapped_in_distributed_data_parallel_is_refused(runs):
     """DDP wrote zero gradients and the step was refused as 'a gradient from outside its layer's forward',
     without naming DDP (review)."""
     assert all("DistributedDataParallel" in rank["ddp"] for rank in runs)
+
+
+def test_a_plain_optimizer_refuses_a_shard_loader():
+    """A plain DPOptimizer stepping on one rank's shard neither all-reduced the ranks' sums nor added
+    the noise once (review)."""
+    model = nn.Linear(3, 2)
+    opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), module=model, noise_multiplier=1.0,
+                             max_grad_norm=1.0, expected_batch_size=2.0)
+    x, y = data()
+    shard = distributed_poisson_loader(DataLoader(TensorDataset(x, y), batch_size=2), seed=1, rank=0, world_size=2)
+    with pytest.raises(ValueError, match="DistributedDPOptimizer"):
+        opt.attach_loader(shard)
