@@ -356,6 +356,7 @@ class DPOptimizer(torch.optim.Optimizer):
         # checks that refuse the step before the loader's count closes it: fixed, it can be retried
         self._check_trainable()
         self.engine.check_foreign_grads()  # also where no hooked layer ran, so no backward callback did
+        self._check_noise_fits_parameters()
         self._check_one_batch_per_step()
         self._account_step()
         self.privatise_grads()
@@ -364,6 +365,17 @@ class DPOptimizer(torch.optim.Optimizer):
         for hook in self._step_hooks:
             hook(self)
         return loss
+
+    def _check_noise_fits_parameters(self) -> None:
+        """Refuse noise whose coordinates (std / expected_batch_size) would overflow a private parameter's
+        dtype (float16's 65504: a "no clipping" bound of 1e6), before the step is counted."""
+        spread = 64.0 * _noise_std(self.noise_multiplier, self.clipping) / self.expected_batch_size  # 64 std
+        for dtype in {p.dtype for p in self.engine.params if p.requires_grad}:
+            if spread > torch.finfo(dtype).max:
+                raise ValueError(
+                    f"the noise on the {dtype} parameters (std {spread / 64:.3g} per coordinate: noise_multiplier "
+                    "times the clipping sensitivity over expected_batch_size) would overflow their dtype: lower "
+                    "max_grad_norm (or noise_multiplier), or train in a wider dtype")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the wrapped optimizer's gradients and drop clipped sums not yet stepped (kept

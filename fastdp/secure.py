@@ -22,7 +22,8 @@ What :func:`secure_noisy_average` does, per step:
    parameter's dtype. For float32/bf16 parameters this final rounding snaps the released
    value to a grid 2^29 (or more) times coarser than the float64 noise's resolution, so
    every grid point near ``s`` is reachable whatever ``s`` is (the idea of Mironov's
-   snapping mechanism). For float64 parameters step 3 adds nothing.
+   snapping mechanism). For float64 parameters step 3 adds nothing. (Data parallel:
+   rank 0 rounds its noisy sum before the all-reduce adds the other ranks' sums.)
 
 This is a mitigation, not a proof of exact DP in floating point. It reads 16 bytes of OS
 entropy per coordinate and step, which costs about as much as drawing the two float64

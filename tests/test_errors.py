@@ -647,3 +647,18 @@ def test_a_noise_std_that_overflows_is_refused_when_set_and_sigma_zero_needs_non
     assert all(torch.isfinite(p.grad).all() for p in model.parameters())
     opt.detach()
     assert make(model, max_grad_norm=1e160, noise_multiplier=1.0, clipping="per_layer").noise_std == pytest.approx(1e160)
+
+
+def test_noise_that_would_overflow_the_parameters_dtype_is_refused_before_the_step_counts():
+    """C = 1e6 ("no clipping") on float16 parameters: the step was counted, then the weights became Inf
+    (regression review)."""
+    model = nn.Linear(3, 2).half()
+    opt = make(model, max_grad_norm=1e6, noise_multiplier=1.0)
+    calls = []
+    opt.attach_accountant(type("Recorder", (), {"step": lambda self, **kw: calls.append(kw)})(), 0.5)
+    with pytest.raises(ValueError, match="overflow their dtype"):
+        opt.step()
+    assert not calls and all(torch.isfinite(p).all() for p in model.parameters())
+    opt.max_grad_norm = 1.0
+    opt.step()
+    assert len(calls) == 1 and all(torch.isfinite(p).all() for p in model.parameters())
