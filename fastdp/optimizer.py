@@ -370,6 +370,8 @@ class DPOptimizer(torch.optim.Optimizer):
         """Refuse noise whose coordinates (std / expected_batch_size) would overflow a private parameter's
         dtype (float16's 65504: a "no clipping" bound of 1e6), before the step is counted."""
         spread = 64.0 * _noise_std(self.noise_multiplier, self.clipping) / self.expected_batch_size  # 64 std
+        if spread <= _SMALLEST_FLOAT_MAX:  # fits every floating dtype: no pass over the parameters each step
+            return
         for dtype in {p.dtype for p in self.engine.params if p.requires_grad}:
             if spread > torch.finfo(dtype).max:
                 raise ValueError(
@@ -470,6 +472,9 @@ class DPOptimizer(torch.optim.Optimizer):
         # between backward() and step()): stepped with the reloaded loader's batch, its samples would count twice
         self.engine.clear()
         self._skip_next_step = self._logical_batch_open = False
+
+
+_SMALLEST_FLOAT_MAX = float(torch.finfo(torch.float16).max)  # the smallest of the dtypes parameters train in
 
 
 def _noise_std(sigma: float, clipping) -> float:
