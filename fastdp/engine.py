@@ -74,6 +74,7 @@ class GradSampleEngine:
         self._module_param_ids = {id(p) for p in self.names}
         self.summed: Dict[torch.Tensor, torch.Tensor] = {}
         self.samples_seen = 0  # samples clipped since the last take_sums()
+        self.generation = 0  # counts the changes of the clipped sums: a pass added, or cleared
         self.skipped_samples = 0
         self._pending: List[Record] = []
         self._queued_task: Optional[int] = None  # the autograd graph task whose end runs _finish_backward
@@ -287,6 +288,7 @@ class GradSampleEngine:
         for p, grads in shared.items():
             self._accumulate(summed, p, weighted_sum(coef_of(p), grads))
         self.summed = summed
+        self.generation += 1
         self._step_inputs.update(inputs)
         self.samples_seen += batch
         if found is not None:
@@ -429,12 +431,14 @@ class GradSampleEngine:
             )
 
     # -- for the optimizer -----------------------------------------------------------------
+    def sums(self) -> List[torch.Tensor]:
+        """Clipped sums of all parameters (zeros where nothing was seen), in the compute dtype; kept."""
+        return [self.summed[p] if p in self.summed else torch.zeros_like(p, dtype=compute_dtype(p.dtype))
+                for p in self.params]
+
     def take_sums(self) -> List[torch.Tensor]:
-        """Clipped sums of all parameters (zeros where nothing was seen), in the compute dtype,
-        and reset."""
-        sums = [self.summed.pop(p, None) for p in self.params]
-        sums = [torch.zeros_like(p, dtype=compute_dtype(p.dtype)) if s is None else s
-                for p, s in zip(self.params, sums)]
+        """:meth:`sums`, and reset."""
+        sums = self.sums()
         self.clear()
         return sums
 
@@ -443,6 +447,7 @@ class GradSampleEngine:
         that raised before its end left)."""
         self._drop_pass()
         self.summed.clear()
+        self.generation += 1
         self.samples_seen = 0
         self._step_inputs = {}
         self.pass_batches = set()

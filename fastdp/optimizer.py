@@ -123,6 +123,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self.accountant = None
         self.loader = None  # the Poisson loader whose batches the steps take, once attached
         self._detached = False
+        self._unfinished: Optional[tuple] = None  # (engine.generation, phase done) of a step that raised midway
         # last: it hooks the module, so nothing after it may fail and leave the hooks behind
         self.engine = GradSampleEngine(module, params, self.clipping, loss_reduction, nonfinite)
         # seeds drawn per noise key and module: an optimizer rebuilt on the module with the same seed (after
@@ -304,7 +305,7 @@ class DPOptimizer(torch.optim.Optimizer):
     def privatise_grads(self) -> None:
         """Write ``(sum of clipped grads + N(0, (sigma C)^2)) / expected_batch_size`` into ``.grad``
         of every private parameter that still requires grad (frozen since: ``.grad = None``)."""
-        sums = self.engine.take_sums()
+        sums = self.engine.sums()  # kept until released: a step that fails while noising them can be retried
         params = self.engine.params
         if not all(p.requires_grad for p in params):
             for p in params:
@@ -315,6 +316,7 @@ class DPOptimizer(torch.optim.Optimizer):
         grads = self.noisy_average(sums, float(self.expected_batch_size), [p.dtype for p in params])
         for p, g in zip(params, grads):
             p.grad = g if g.dtype == p.dtype else g.to(p.dtype)  # half precision: rounded once, here
+        self.engine.clear()
         self.engine.adopt_current_grads()
 
     def _check_trainable(self) -> None:
@@ -357,10 +359,21 @@ class DPOptimizer(torch.optim.Optimizer):
         self._check_trainable()
         self.engine.check_foreign_grads()  # also where no hooked layer ran, so no backward callback did
         self._check_noise_fits_parameters()
-        self._check_one_batch_per_step()
-        self._account_step()
-        self.privatise_grads()
+        # A step that raised after its batch was closed (the accountant raising, an out-of-memory error
+        # while drawing the noise, the wrapped optimizer failing) resumes where it stopped, if retried
+        # on the same clipped sums: the batch is not closed or counted twice, its sums released once.
+        done = self._unfinished[1] if self._unfinished and self._unfinished[0] == self.engine.generation else None
+        if done is None:
+            self._check_one_batch_per_step()
+            self._unfinished = (self.engine.generation, "closed")
+        if done in (None, "closed"):
+            self._account_step()
+            self._unfinished = (self.engine.generation, "counted")
+        if done != "released":
+            self.privatise_grads()
+            self._unfinished = (self.engine.generation, "released")
         self.original_optimizer.step()
+        self._unfinished = None
         self.steps += 1
         for hook in self._step_hooks:
             hook(self)

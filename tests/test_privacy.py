@@ -327,6 +327,68 @@ def test_a_step_refused_by_another_check_can_be_retried_once_fixed():
     assert opt.steps == opt.accountant.steps == 1
 
 
+class _FailsOnce:
+    """Raises the first time it is called, then does what ``call`` does."""
+
+    def __init__(self, call):
+        self.call, self.failed = call, False
+
+    def __call__(self, *args, **kwargs):
+        if not self.failed:
+            self.failed = True
+            raise MemoryError("injected")
+        return self.call(*args, **kwargs)
+
+
+@pytest.mark.parametrize("where", ["accountant", "noise", "wrapped optimizer"])
+def test_a_step_that_failed_after_its_batch_was_closed_can_be_retried(where):
+    """A step raising after the loader's count closed it (the accountant, an out-of-memory error
+    while drawing the noise, the wrapped optimizer) was refused on retry as a reuse of a released
+    batch, though nothing had been released; without a loader the retry counted it twice. The
+    retry now resumes: one step counted, the batch's clipped sum released once."""
+    runs = []
+    for fail in (False, True):
+        torch.manual_seed(0)
+        model = nn.Linear(3, 2).double()
+        loader = DataLoader(TensorDataset(torch.randn(40, 3).double(), torch.randint(0, 2, (40,))), batch_size=4)
+        model, opt, loader = fastdp.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), data_loader=loader,
+            max_grad_norm=0.1, noise_multiplier=0.0, seed=0)
+        if fail:
+            if where == "accountant":
+                opt.accountant.step = _FailsOnce(opt.accountant.step)
+            elif where == "noise":
+                opt.noisy_average = _FailsOnce(opt.noisy_average)
+            else:
+                opt.original_optimizer.step = _FailsOnce(opt.original_optimizer.step)
+        x, y = next(iter(loader))
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        if fail:
+            with pytest.raises(MemoryError, match="injected"):
+                opt.step()
+        opt.step()
+        assert opt.steps == opt.accountant.steps == 1
+        runs.append([p.detach().clone() for p in model.parameters()])
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-15)
+
+
+def test_a_failed_step_given_up_with_zero_grad_stays_counted():
+    """zero_grad() after a failed step drops its clipped sums: the next batch's step is a new one,
+    and the abandoned step stays counted (nothing of it was released: conservative)."""
+    model, opt, loader = _private()
+    opt.noisy_average = _FailsOnce(opt.noisy_average)
+    batches = iter(loader)
+    x, y = next(batches)
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    with pytest.raises(MemoryError, match="injected"):
+        opt.step()
+    _step_on(model, opt, *next(batches))
+    assert opt.steps == 1 and opt.accountant.steps == 2
+
+
 def test_attach_loader_refuses_a_loader_that_counts_no_batches():
     model, opt, _ = _private()
     plain = DataLoader(TensorDataset(torch.randn(40, 3)), batch_sampler=fastdp.PoissonBatchSampler(40, 0.1, seed=0))
