@@ -22,6 +22,7 @@ parameters and buffers once at construction so that all replicas start equal.
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Dict, List, Optional
 
 import torch
@@ -143,6 +144,29 @@ class DistributedDPOptimizer(DPOptimizer):
         if self.rank != 0:
             raise RuntimeError("the accountant lives on rank 0: ask rank 0 for epsilon")
         return super().epsilon(delta)
+
+    def _check_ranks_agree(self) -> None:
+        """Refuse a step (on every rank, before it is counted) where the ranks clip or divide differently:
+        rank 0's noise covers rank 0's sensitivity only, and replicas dividing by different sizes drift apart.
+        One small MAX all-reduce of each setting and its negation (so both the largest and smallest arrive)."""
+        clipping = self.clipping
+        bounds = list(clipping.bounds.values()) if hasattr(clipping, "bounds") else [clipping.max_grad_norm]
+        rest = repr((type(clipping).__name__, bounds, getattr(clipping, "gamma", None),
+                     self.engine.loss_reduction))
+        digest = int.from_bytes(hashlib.sha256(rest.encode()).digest()[:6], "little")  # exact in float64
+        named = {"the clipping sensitivity (max_grad_norm)": clipping.sensitivity,
+                 "expected_batch_size": float(self.expected_batch_size),
+                 "the clipping settings (clipping mode, per-layer bounds, gamma or loss_reduction)": float(digest)}
+        values = torch.tensor([v for x in named.values() for v in (x, -x)], dtype=torch.float64,
+                              device=self.engine.params[0].device if self.engine.params else "cpu")
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.process_group)
+        for i, name in enumerate(named):
+            high, low = values[2 * i].item(), -values[2 * i + 1].item()
+            if high != low:
+                spread = "" if i == 2 else f" (from {low:.6g} to {high:.6g})"
+                raise ValueError(
+                    f"the ranks disagree on {name}{spread}: every rank must clip and divide as rank 0 does, whose "
+                    "noise covers only its own sensitivity; set the same values on all ranks, then step again")
 
     def noisy_average(self, sums: List[torch.Tensor], divisor: float,
                       dtypes: Optional[List[torch.dtype]] = None) -> List[torch.Tensor]:

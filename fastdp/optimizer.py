@@ -359,6 +359,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self._check_trainable()
         self.engine.check_foreign_grads()  # also where no hooked layer ran, so no backward callback did
         self._check_noise_fits_parameters()
+        self._check_ranks_agree()
         # A step that raised after its batch was closed (the accountant raising, an out-of-memory error
         # while drawing the noise, the wrapped optimizer failing) resumes where it stopped, if retried
         # on the same clipped sums: the batch is not closed or counted twice, its sums released once.
@@ -378,6 +379,9 @@ class DPOptimizer(torch.optim.Optimizer):
         for hook in self._step_hooks:
             hook(self)
         return loss
+
+    def _check_ranks_agree(self) -> None:
+        """One process: nothing to compare (see DistributedDPOptimizer)."""
 
     def _check_noise_fits_parameters(self) -> None:
         """Refuse noise whose coordinates (std / expected_batch_size) would overflow a private parameter's

@@ -109,6 +109,25 @@ def worker(rank, port, out):
                                    max_grad_norm=C, expected_batch_size=1.0)
         except fastdp.UnsupportedModuleError as exc:
             result["ddp"] = str(exc)
+        # 7. ranks that clip or divide differently: refused on every rank, before the step is counted
+        model = make_model(7)
+        opt = DistributedDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), module=model, noise_multiplier=1.0,
+                                     max_grad_norm=C * (1 + rank), expected_batch_size=1.0,
+                                     clipping="per_layer" if rank else "flat")
+        accountant = History()
+        opt.attach_accountant(accountant, RATE)
+        result["disagree"] = []
+        for fix in (None, lambda: setattr(opt, "max_grad_norm", C),
+                    lambda: setattr(opt, "expected_batch_size", 1.0)):
+            if fix is not None and rank == 1:
+                fix()
+            if rank == 1 and fix is None:
+                opt.expected_batch_size = 2.0
+            try:
+                opt.step()
+            except ValueError as exc:
+                result["disagree"].append(str(exc))
+        result["disagree_steps"] = (opt.steps, len(accountant.history))
         torch.save(result, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -215,6 +234,17 @@ def test_a_model_wrapped_in_distributed_data_parallel_is_refused(runs):
     """DDP wrote zero gradients and the step was refused as 'a gradient from outside its layer's forward',
     without naming DDP (review)."""
     assert all("DistributedDataParallel" in rank["ddp"] for rank in runs)
+
+
+def test_ranks_that_clip_or_divide_differently_are_refused_before_the_step_counts(runs):
+    """A rank clipping to 2C while rank 0's noise covered C went unnoticed (review): its samples had
+    twice the sensitivity the accountant analysed."""
+    for rank in runs:
+        first, second, third = rank["disagree"]
+        assert "max_grad_norm" in first and "from 0.5 to 1)" in first
+        assert "expected_batch_size" in second and "from 1 to 2)" in second
+        assert "clipping settings" in third  # flat C on rank 0, per-layer bounds summing to C on rank 1
+        assert rank["disagree_steps"] == (0, 0)
 
 
 def test_a_plain_optimizer_refuses_a_shard_loader():
