@@ -26,8 +26,8 @@ otherwise the resumed run draws its own noise and batches, as private but not id
 ``backward()`` and ``step()`` is refused: clipped sums not yet stepped are not stored.
 Resuming with another ``noise_multiplier`` is allowed (with a warning): the restored
 history keeps the old sigma's steps and the accountant appends the new ones.
-In data-parallel runs save on rank 0 and load on every rank: ranks other than 0 keep no
-accountant and skip its history.
+In data-parallel runs save on rank 0 and load on every rank, at any number of ranks: ranks
+other than 0 keep no accountant and skip its history.
 """
 from __future__ import annotations
 

@@ -140,7 +140,7 @@ class PoissonBatchSampler(Sampler[List[int]]):
             if state.get(key) != value:
                 raise ValueError(
                     f"sampler checkpoint has {key}={state.get(key)!r}, this sampler {value!r}: "
-                    "resume with the same dataset, sample rate and mode (data-parallel: number of ranks)"
+                    "resume with the same dataset, sample rate and mode"
                 )
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:

@@ -74,11 +74,18 @@ class DistributedPoissonBatchSampler(PoissonBatchSampler):
         return (self.rank,)
 
     def _settings(self, state=None):
-        """Global, so that every rank loads the state rank 0 saved (the shards differ in size); an
-        older state, without ``world_size``, holds this rank's shard size and is checked as such."""
-        if state is not None and "world_size" not in state:
-            return super()._settings()
-        return {**super()._settings(), "num_samples": self.global_samples, "world_size": self.world_size}
+        """Global, so that every rank loads the state rank 0 saved (the shards differ in size), at any
+        number of ranks: whatever their number, the union of the ranks' batches is one Poisson batch of
+        the dataset at rate q, which is what the accountant analyses. A state written before global
+        sizes (no ``world_size``) that does not hold the dataset's size holds this rank's shard size."""
+        settings = {**super()._settings(), "num_samples": self.global_samples}
+        if state is not None and "world_size" not in state and state.get("num_samples") != self.global_samples:
+            settings["num_samples"] = self.num_samples
+        return settings
+
+    def state_dict(self, include_secrets: bool = False):
+        """As :class:`PoissonBatchSampler`'s, with the dataset's size and the number of ranks."""
+        return {**super().state_dict(include_secrets), "world_size": self.world_size}
 
     def batch(self, n: int) -> List[int]:
         rng = self.rng(n)

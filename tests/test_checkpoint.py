@@ -230,8 +230,29 @@ def test_data_parallel_sampler_state_loads_on_every_rank_of_an_uneven_split():
         fresh = DistributedPoissonBatchSampler(5, 0.4, seed=1, rank=rank, world_size=2)
         fresh.load_state_dict(state)
         assert fresh.position == 1
-    with pytest.raises(ValueError, match="world_size=2, this sampler 3"):
-        DistributedPoissonBatchSampler(5, 0.4, seed=1, rank=0, world_size=3).load_state_dict(state)
+
+
+def test_a_sampler_state_loads_at_any_number_of_ranks():
+    """Resuming with another number of ranks: 2 -> 1 loaded, 2 -> 3 was refused, and 1 -> 2 was refused
+    with a shard size for the dataset's (review). Each step's batch is one Poisson batch of the dataset at
+    rate q whatever the number of ranks: all load, and a state of another dataset or rate is refused."""
+    from fastdp.distributed import DistributedPoissonBatchSampler
+    single = fastdp.PoissonBatchSampler(11, 0.3, seed=1)
+    two = DistributedPoissonBatchSampler(11, 0.3, seed=1, rank=0, world_size=2)
+    single.position = two.position = 4
+    for state in (single.state_dict(), two.state_dict()):
+        for world in (1, 2, 3):
+            for rank in range(world):
+                sampler = DistributedPoissonBatchSampler(11, 0.3, seed=2, rank=rank, world_size=world)
+                sampler.load_state_dict(state)
+                assert sampler.position == 4
+        plain = fastdp.PoissonBatchSampler(11, 0.3, seed=2)
+        plain.load_state_dict(state)
+        assert plain.position == 4
+        for other in (DistributedPoissonBatchSampler(12, 0.3, seed=2, rank=0, world_size=2),
+                      DistributedPoissonBatchSampler(11, 0.2, seed=2, rank=0, world_size=2)):
+            with pytest.raises(ValueError, match="resume with the same dataset, sample rate and mode"):
+                other.load_state_dict(state)
 
 
 def test_a_load_refused_for_its_loader_state_changes_nothing_and_the_loader_can_be_left_alone():
