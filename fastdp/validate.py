@@ -28,15 +28,13 @@ def find_problems(module: nn.Module, params: Optional[Iterable[torch.Tensor]] = 
         where = f"module '{path or '<root>'}' ({type(child).__name__})"
         if isinstance(child, parametrize.ParametrizationList):
             continue  # reported with the layer it parametrises
-        if parametrize.is_parametrized(child):
-            if not any(p.requires_grad for p in child.parameters()):
-                continue  # frozen: nothing to clip
+        if parametrize.is_parametrized(child) and any(p.requires_grad for p in child.parametrizations.parameters()):
             tensors = ", ".join(f"'{n}'" for n in child.parametrizations)
             problems.append(
                 f"{where} computes {tensors} from other parameters (torch.nn.utils.parametrizations: weight_norm, "
                 "spectral_norm, ...), which fastdp cannot clip per sample; remove the parametrisation "
                 f"(torch.nn.utils.parametrize.remove_parametrizations(layer, {next(iter(child.parametrizations))!r}))"
-                " or freeze the whole layer")
+                " or freeze what it is computed from (the layer's other parameters may train)")
             continue
         trainable = [n for n, p in child.named_parameters(recurse=False) if p.requires_grad]
         if isinstance(child, _BatchNorm):

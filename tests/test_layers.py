@@ -322,3 +322,16 @@ def test_a_registered_rule_may_pass_none_for_an_absent_parameter(shift):
     register(Rule())
     torch.manual_seed(0)
     check_exact(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), _ScaleShiftGain(4, shift)), [torch.randn(5, 3)])
+
+
+@pytest.mark.parametrize("kind", ["weight_norm", "spectral_norm", "orthogonal"])
+def test_a_layer_whose_parametrised_weight_is_frozen_trains_its_bias_exactly(kind):
+    """A layer with a frozen parametrised weight and a trainable bias was refused as a whole
+    (its generated class had no rule), though the bias's per-sample gradient does not involve it."""
+    from torch.nn.utils import parametrizations
+    torch.manual_seed(0)
+    conv = getattr(parametrizations, kind)(nn.Conv1d(3, 3, 2))
+    linear = getattr(parametrizations, kind)(nn.Linear(6, 6))
+    for layer in (conv, linear):
+        layer.parametrizations.weight.requires_grad_(False)
+    check_exact(nn.Sequential(conv, nn.Tanh(), nn.Flatten(), linear), [torch.randn(5, 3, 3)])

@@ -1,12 +1,14 @@
 """Layer rules: one module per layer family, each mapping layer types to a :class:`LayerRule`.
 
 ``rule_for(module)`` looks a module's exact type up (a subclass may change ``forward``, so
-it must be registered on its own). Register a rule for your own layer with
+it must be registered on its own; the class ``torch.nn.utils.parametrize`` generates for a
+parametrised layer keeps its layer's forward and rule). Register a rule for your own layer with
 ``fastdp.layers.register(MyRule())``.
 """
 from typing import Dict, Optional
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 from fastdp.layers.base import LayerRule, Record, Tap, UnsupportedModuleError
 
@@ -21,7 +23,10 @@ def register(rule: LayerRule) -> LayerRule:
 
 
 def rule_for(module: nn.Module) -> Optional[LayerRule]:
-    return _RULES.get(type(module))
+    cls = type(module)
+    if parametrize.is_parametrized(module):  # torch's generated subclass: the layer's forward, tensors as properties
+        cls = cls.__bases__[0]
+    return _RULES.get(cls)
 
 
 def supported_types():
