@@ -701,3 +701,44 @@ def test_the_noise_key_does_not_travel_with_the_model():
     for blob in (buf.getvalue(), pickle.dumps(copy.deepcopy(model))):
         assert key.to_bytes(8, "little") not in blob and str(key).encode() not in blob
     assert not any(key in getattr(v, "keys", lambda: ())() for v in vars(model).values() if isinstance(v, dict))
+
+
+def _cancelling_sample(kind: str, seq: int, dim: int):
+    """A layer and one sample whose per-position gradient terms (~1e12) cancel exactly, with a
+    float32 sum of them that does not: (layer, input (1, ...), output weights (1, ...))."""
+    row, out = torch.randn(dim) * 1e6, torch.randn(dim) * 1e6
+    signs = torch.tensor([(-1.0) ** t for t in range(seq)])
+    if kind == "embedding":  # one token everywhere; M, r, -M, -r: float32 drops r in M + r
+        layer = nn.Embedding(3, dim)
+        scale = torch.tensor([1.0, 2.0 ** -26, -1.0, -(2.0 ** -26)]).repeat(seq // 4)
+        return layer, torch.ones(1, seq, dtype=torch.long), (scale[:, None] * out * 1e24).unsqueeze(0)
+    weights = (signs[:, None] * out).unsqueeze(0)
+    if kind == "conv":  # kernel 1: each position's patch is the row
+        return nn.Conv1d(dim, dim, 1), row[None, :, None].expand(1, dim, seq).contiguous(), weights.transpose(1, 2)
+    return nn.Linear(dim, dim), row.expand(1, seq, dim).contiguous(), weights
+
+
+@pytest.mark.parametrize("kind,seq,dim", [("linear", 4, 32), ("linear", 20, 64), ("linear", 64, 8),
+                                          ("conv", 8, 16), ("embedding", 8, 4)])
+def test_a_sample_whose_terms_cancel_moves_the_clipped_sum_by_at_most_c(kind, seq, dim):
+    """The norm was of the exact gradient (0 here), the clipped sum a float32 GEMM over positions: the
+    sample was released as its rounding error, up to 1.8e6 C (numeric review). Norms now carry an
+    allowance for that error: adding the sample to a batch moves the sum by at most C."""
+    torch.manual_seed(0)
+    layer, x_bad, w_bad = _cancelling_sample(kind, seq, dim)
+    others = 5
+    if kind == "embedding":
+        x = torch.randint(0, 3, (others, seq))
+    else:
+        x = torch.randn(others, *x_bad.shape[1:])
+    w = torch.randn(others, *w_bad.shape[1:])
+
+    def clipped_sum(inputs, weights):
+        model = copy.deepcopy(layer)
+        opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), module=model, noise_multiplier=0.0,
+                                 max_grad_norm=1.0, expected_batch_size=1.0, loss_reduction="sum")
+        (model(inputs) * weights).sum().backward()
+        return torch.cat([opt.engine.summed[p].double().reshape(-1) for p in model.parameters()])
+
+    moved = (clipped_sum(torch.cat([x, x_bad]), torch.cat([w, w_bad])) - clipped_sum(x, w)).norm()
+    assert moved <= 1.0 + 1e-6

@@ -202,6 +202,23 @@ def sq_norms_of(per_sample: torch.Tensor) -> torch.Tensor:
     return ops.sample_sq_norms(per_sample)
 
 
+def with_rounding_allowance(sq_norms: torch.Tensor, slack: torch.Tensor, seq: int,
+                            dtype: torch.dtype) -> torch.Tensor:
+    """Squared norms (float64 (B,)) widened by what rounding can add to a sample's share of a
+    clipped sum formed as one contraction over its ``seq`` positions in ``dtype`` (a GEMM on
+    coefficient-scaled rows): ``(|G_i| + gamma S_i)^2`` with ``S_i = sum_t |a_t| |g_t|``
+    (``slack``, float64 (B,), or a bound on it) and ``gamma = 2 (seq u_acc + 2 u)``; ``u`` is
+    ``dtype``'s unit roundoff, ``u_acc`` that of the accumulation (float32 for half dtypes).
+    The norm is of the exact gradient; a sample whose per-position terms cancel (gradient ~0
+    from terms ~1e12) was released as its rounding error, unclipped. The sum's error from the
+    sample's own terms is at most ``(seq u_acc + 2 u) S_i``, and so is the norm's (computed in
+    its own order): ``c_i`` from the widened norm bounds the share by C. A sample whose terms do
+    not cancel has ``S_i`` about ``sqrt(T) |G_i|``: its norm grows by about ``2 T^1.5 u``."""
+    u = torch.finfo(dtype).eps / 2
+    gamma = 2 * (seq * min(u, 2.0 ** -24) + 2 * u)
+    return (sq_norms.clamp(min=0).sqrt_() + gamma * slack).square_()  # a Gram sum can round below 0
+
+
 def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t.to(dtype)``, skipping the call where it is already so (saves a dispatch per use)."""
     return t if t.dtype == dtype else t.to(dtype)

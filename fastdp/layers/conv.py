@@ -34,7 +34,7 @@ from torch import nn
 from fastdp import ops
 from fastdp.layers import register
 from fastdp.layers.base import (LayerRule, Record, Tap, as_dtype, batch_chunks, check_batched, expand_like,
-                                sq_norms_of, weighted_sum)
+                                sq_norms_of, weighted_sum, with_rounding_allowance)
 from fastdp.layers.linear import route_costs
 
 _CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -364,11 +364,21 @@ class ConvRule(LayerRule):
         gradients, keep only them (and the bias's) and free the input and output gradient."""
         if "weight" in rec.names:
             rec.norms["weight"] = self._weight_sq_norms(rec)
-            if "weight" not in rec.cache:
-                return  # ghost route: the clipped sum needs x and g
+            if "weight" not in rec.cache:  # the clipped sum is one convolution over all positions: needs x and g
+                rec.norms["weight"] = self._with_rounding_allowance(rec, rec.norms["weight"])
+                return
         if "bias" in rec.names:
             self.cached_grads(rec, ["bias"])
         rec.release()
+
+    def _with_rounding_allowance(self, rec: Record, sq_norms: torch.Tensor) -> torch.Tensor:
+        """:func:`with_rounding_allowance` for the weight's clipped-sum convolution. Each input element
+        is in at most prod(kernel) patches, so by Cauchy-Schwarz ``sum_t |a_t| |g_t|`` over positions
+        and groups is at most ``sqrt(prod(kernel)) |x_i| |g_i|``: two per-sample norms."""
+        x, spec, weight = self._shapes(rec)
+        g = rec.grad_output
+        slack = (sq_norms_of(x) * sq_norms_of(g)).sqrt_().mul_(math.sqrt(math.prod(spec.kernel)))
+        return with_rounding_allowance(sq_norms, slack, self._linear_dims(g, spec, weight)[0], g.dtype)
 
     def per_sample_grads(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
         x, spec, weight = self._shapes(rec)

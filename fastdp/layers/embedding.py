@@ -15,7 +15,7 @@ from torch import nn
 
 from fastdp import ops
 from fastdp.layers import register
-from fastdp.layers.base import LayerRule, Record, Tap, UnsupportedModuleError, expand_like
+from fastdp.layers.base import LayerRule, Record, Tap, UnsupportedModuleError, expand_like, with_rounding_allowance
 
 
 class _EmbeddingFn(torch.autograd.Function):
@@ -66,7 +66,10 @@ class EmbeddingRule(LayerRule):
         ids, g = self._flat(rec)
         if ids.shape[1] == 0:  # no position: no gradient
             return {"weight": g.new_zeros(ids.shape[0], dtype=torch.float64)}
-        return {"weight": ops.embedding_sq_norms(ids, g, rec.module.padding_idx)}
+        sq_norms = ops.embedding_sq_norms(ids, g, rec.module.padding_idx)
+        # the clipped sum adds each position's scaled g_t to its token's row (a_t one-hot: |a_t| = 1)
+        slack = ops.squared_norms64(self._masked(rec)[1], 2).sqrt_().sum(1)
+        return {"weight": with_rounding_allowance(sq_norms, slack, ids.shape[1], g.dtype)}
 
     def _masked(self, rec: Record):
         ids, g = self._flat(rec)

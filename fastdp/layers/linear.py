@@ -20,7 +20,7 @@ from torch import nn
 from fastdp import ops
 from fastdp.layers import register
 from fastdp.layers.base import (LayerRule, Record, Tap, UnsupportedModuleError, as_dtype, batch_chunks,
-                                sq_norms_of, weighted_sum)
+                                sq_norms_of, weighted_sum, with_rounding_allowance)
 
 
 class _LinearFn(torch.autograd.Function):
@@ -111,7 +111,10 @@ class LinearRule(LayerRule):
         out = {}
         for name in names:
             if name == "weight":
-                out[name] = sq_norms_3d(*self._per_sample(rec))
+                a, g = self._per_sample(rec)
+                slack = (ops.squared_norms64(a, 2).sqrt_() * ops.squared_norms64(g, 2).sqrt_()).sum(1)
+                out[name] = with_rounding_allowance(sq_norms_3d(a, g), slack, a.shape[1],
+                                                    torch.promote_types(a.dtype, g.dtype))
             else:  # the bias's per-sample gradients are small: sum over T once
                 out[name] = sq_norms_of(self.cached_grads(rec, [name])[name])
         return out
