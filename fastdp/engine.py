@@ -36,6 +36,7 @@ from fastdp.validate import validate
 
 LOSS_REDUCTIONS = ("mean", "sum")
 NONFINITE_POLICIES = ("raise", "skip")
+_FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -344,7 +345,10 @@ class GradSampleEngine:
             dtype = compute_dtype(p.dtype)
             done = cast.get((id(c), dtype))
             if done is None:
-                done = cast[(id(c), dtype)] = (c if bad is None else torch.where(bad, 0.0, c)).to(dtype)
+                kept = c if bad is None else torch.where(bad, 0.0, c)
+                if dtype != torch.float64:  # a float32 subnormal rounds by up to 2x: a share up to 2C, so 0
+                    kept = torch.where(kept < _FLOAT32_TINY, 0.0, kept)
+                done = cast[(id(c), dtype)] = kept.to(dtype)
             return done
 
         return coef_of

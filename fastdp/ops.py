@@ -268,7 +268,7 @@ def noisy_average_ref(
 
     torch's CPU generator (mt19937) keeps only the low 32 bits of a seed, so two generators are
     seeded, one with the seed's low word and one with its high word (xor a constant). Each draws
-    one 52-bit integer per element; their sum modulo 2^52 is uniform and independent of either
+    one 52-bit integer per element; ``a + 3b`` modulo 2^52 is uniform and independent of either
     draw alone, so two seeds that share one word (among N steps of a run, ~N^2 / 2^32 pairs do)
     still get independent noise; only equal seeds repeat it. The integer ``k`` becomes the
     uniform ``(2k + 1) / 2^53`` in (0, 1) and ``z`` its inverse normal CDF, in float64. Parameters
@@ -292,10 +292,13 @@ def noisy_average_ref(
 
 
 def _uniform53(shape, low: torch.Generator, high: torch.Generator, device) -> torch.Tensor:
-    """Float64 uniforms ``(2k + 1) / 2^53``, ``k = (a + b) mod 2^52`` of one draw from each generator."""
+    """Float64 uniforms ``(2k + 1) / 2^53``, ``k = (a + 3b) mod 2^52`` of one draw from each generator
+    (uniform given either draw, 3 being odd; not symmetric, so a seed that swaps the two generators'
+    seeds does not repeat the noise, as ``a + b`` did)."""
     bound = 1 << 52
     k = torch.randint(bound, shape, generator=low, dtype=torch.int64, device=device)
-    k.add_(torch.randint(bound, shape, generator=high, dtype=torch.int64, device=device)).bitwise_and_(bound - 1)
+    b = torch.randint(bound, shape, generator=high, dtype=torch.int64, device=device)
+    k.add_(b.mul_(3)).bitwise_and_(bound - 1)
     return k.mul_(2).add_(1).to(torch.float64).mul_(2.0 ** -53)
 
 
@@ -401,7 +404,18 @@ def noisy_average(
         raise ValueError(f"the noisy sum's divisor must be a finite number > 0, got {divisor!r}")
     if not sums:
         return []
-    return _call("noisy_average", sums[0].device, sums, std, divisor, seed, inplace=inplace)
+    name, run = implementation("noisy_average", sums[0].device)
+    wide = [i for i, s in enumerate(sums) if s.dtype == torch.float64]
+    if name == "reference" or not wide:
+        return run(sums, std, divisor, seed, inplace=inplace)
+    # The kernels draw float32 normals: on a float64 sum, std z would sit on float32's grid and the
+    # sum's low bits would show through the noise. Float64 sums get the reference's float64 normals.
+    narrow = [i for i in range(len(sums)) if i not in set(wide)]
+    out: List[Optional[torch.Tensor]] = [None] * len(sums)
+    for indices, draw in ((narrow, run), (wide, noisy_average_ref)):
+        for i, t in zip(indices, draw([sums[i] for i in indices], std, divisor, seed, inplace=inplace)):
+            out[i] = t
+    return out
 
 
 def group_norm_backward(g: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor,

@@ -385,16 +385,23 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def _check_noise_fits_parameters(self) -> None:
         """Refuse noise whose coordinates (std / expected_batch_size) would overflow a private parameter's
-        dtype (float16's 65504: a "no clipping" bound of 1e6), before the step is counted."""
-        spread = 64.0 * _noise_std(self.noise_multiplier, self.clipping) / self.expected_batch_size  # 64 std
-        if spread <= _SMALLEST_FLOAT_MAX:  # fits every floating dtype: no pass over the parameters each step
-            return
+        dtype (float16's 65504: a "no clipping" bound of 1e6), or whose std the kernels, which scale float32
+        and half sums in float32, would turn into Inf or 0 (no noise), before the step is counted."""
+        std = _noise_std(self.noise_multiplier, self.clipping)
+        spread = 64.0 * std / self.expected_batch_size  # 64 std
+        if spread <= _SMALLEST_FLOAT_MAX and (std == 0 or _FLOAT32_TINY <= std <= _FLOAT32_MAX):
+            return  # fits every floating dtype: no pass over the parameters each step
         for dtype in {p.dtype for p in self.engine.params if p.requires_grad}:
             if spread > torch.finfo(dtype).max:
                 raise ValueError(
                     f"the noise on the {dtype} parameters (std {spread / 64:.3g} per coordinate: noise_multiplier "
                     "times the clipping sensitivity over expected_batch_size) would overflow their dtype: lower "
                     "max_grad_norm (or noise_multiplier), or train in a wider dtype")
+            if dtype != torch.float64 and std > 0 and not _FLOAT32_TINY <= std <= _FLOAT32_MAX:
+                raise ValueError(
+                    f"the noise std on the sum, {std:.3g} (noise_multiplier times the clipping sensitivity), is "
+                    f"outside float32's normal range, in which the {dtype} parameters' noise is scaled: it would "
+                    "become Inf or 0 (no noise); change max_grad_norm or noise_multiplier, or train in float64")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the wrapped optimizer's gradients and drop clipped sums not yet stepped (kept
@@ -492,6 +499,7 @@ class DPOptimizer(torch.optim.Optimizer):
 
 
 _SMALLEST_FLOAT_MAX = float(torch.finfo(torch.float16).max)  # the smallest of the dtypes parameters train in
+_FLOAT32_TINY, _FLOAT32_MAX = float(torch.finfo(torch.float32).tiny), float(torch.finfo(torch.float32).max)
 
 
 def _noise_std(sigma: float, clipping) -> float:

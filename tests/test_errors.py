@@ -662,3 +662,38 @@ def test_noise_that_would_overflow_the_parameters_dtype_is_refused_before_the_st
     opt.max_grad_norm = 1.0
     opt.step()
     assert len(calls) == 1 and all(torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("sigma,bound", [(1e39, 1.0), (1.0, 1e-39)])
+def test_a_noise_std_outside_float32s_range_is_refused_on_float32_parameters(sigma, bound):
+    """The kernels scale float32 sums' noise in float32: a std of 1e39 (with a divisor of 1e6 that
+    brings each coordinate back in range) wrote Inf into the weights on the native backend, and was
+    refused only after the step counted on the others; a std of 1e-39 became 0, no noise (numeric
+    review). Refused before the step counts; float64 parameters take either."""
+    model = nn.Linear(3, 2)
+    opt = make(model, max_grad_norm=bound, noise_multiplier=sigma)
+    opt.expected_batch_size = 1e6
+    calls = []
+    opt.attach_accountant(type("Recorder", (), {"step": lambda self, **kw: calls.append(kw)})(), 0.5)
+    with pytest.raises(ValueError, match="outside float32's normal range"):
+        opt.step()
+    assert not calls and all(torch.isfinite(p).all() for p in model.parameters())
+    opt.detach()
+    model = nn.Linear(3, 2).double()
+    opt = make(model, max_grad_norm=bound, noise_multiplier=sigma)
+    opt.expected_batch_size = 1e6
+    opt.step()
+    assert all(torch.isfinite(p).all() and (p.grad != 0).all() for p in model.parameters())
+
+
+def test_a_coefficient_below_float32s_normal_range_gives_no_share_rather_than_up_to_2c():
+    """C / |g_i| below 2^-126 became a float32 subnormal, rounded by up to 2x: the sample's share of
+    the sum reached 1.96 C (numeric review). Such a coefficient is now 0 (float64 keeps it)."""
+    for dtype, most in ((torch.float32, 0.0), (torch.float64, 1.0)):
+        model = nn.Linear(4, 3, bias=False).to(dtype)
+        opt = make(model, max_grad_norm=1e-30, noise_multiplier=0.0, loss_reduction="sum")
+        opt.expected_batch_size = 1.0
+        (model(torch.ones(1, 4, dtype=dtype)) * 2e14).sum().backward()  # |g| = 2e14 sqrt(12): c ~ 1.4e-45
+        opt.step()
+        share = float(model.weight.grad.double().norm()) / 1e-30
+        assert share == pytest.approx(most, abs=1e-6)

@@ -245,12 +245,32 @@ def test_noise_of_seeds_sharing_a_32_bit_word_is_uncorrelated(backend):
     others = [(0x55555555 << 32) | low,  # the same low word
               (high << 32) | 0x2468ACE1,  # the same high word
               (0x13579BDF << 32) | (high ^ xor),  # its low word keys what the seed's high word keys
-              ((low ^ xor) << 32) | 0x0F0F0F0F]  # and the other way round
+              ((low ^ xor) << 32) | 0x0F0F0F0F,  # and the other way round
+              ((low ^ xor) << 32) | (high ^ xor)]  # both: the generators' seeds swapped (a + b repeated it)
     n = 200_000
     z = impl([torch.zeros(n, dtype=torch.float64)], 1.0, 1.0, seed)[0]
     for other in others:
         w = impl([torch.zeros(n, dtype=torch.float64)], 1.0, 1.0, other)[0]
         assert abs(float(torch.corrcoef(torch.stack([z, w]))[0, 1])) < 5 / n**0.5, hex(other)
+
+
+@pytest.mark.parametrize("backend", ["reference", "native", "triton"])
+def test_float64_sums_get_float64_noise(backend, monkeypatch):
+    """The native and Triton kernels draw float32 normals: on a float64 sum the noise sat on float32's
+    grid, so the sum's low bits showed through it and one release told neighbouring datasets apart
+    (audit review). Float64 sums now get float64 normals on every backend; float32 sums keep the kernel."""
+    monkeypatch.setenv("FASTDP_BACKEND", backend)
+    if backend == "triton":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        pytest.importorskip("triton")
+    if ops.implementation("noisy_average", torch.device("cpu"))[0] != backend:
+        pytest.skip(f"no {backend} noise kernel on the CPU here")
+    wide, narrow = torch.zeros(4000, dtype=torch.float64), torch.zeros(4000)
+    z64, z32 = ops.noisy_average([wide, narrow], 1.0, 1.0, 5)
+    assert z64.dtype == torch.float64 and z32.dtype == torch.float32
+    assert (z64.float().double() == z64).float().mean() < 0.01  # off float32's grid
+    assert abs(z64.std().item() - 1) < 0.1 and abs(z32.std().item() - 1) < 0.1
+    assert abs(float(torch.corrcoef(torch.stack([z64, z32.double()]))[0, 1])) < 0.1
 
 
 def test_reference_noise_in_place_on_an_expanded_sum():
