@@ -83,6 +83,9 @@ class GradSampleEngine:
         # (weak reference, version), to tell the same samples backpropagated twice
         self._pass_inputs: Dict[int, tuple] = {}
         self._step_inputs: Dict[int, tuple] = {}
+        # the forward calls (their Taps, by id) this pass / the passes since the last step went through
+        self._pass_taps: Dict[int, Tap] = {}
+        self._step_taps: Dict[int, Tap] = {}
         # the tensors this backward pass's layer inputs are views of, by id (weak references): with
         # the inputs themselves, what finds the data batch the pass came from (attach_loader)
         self._pass_bases: Dict[int, weakref.ref] = {}
@@ -146,7 +149,8 @@ class GradSampleEngine:
                 return plain(owner, *args, **kwargs)
             if kwargs:  # by the layer's own argument names (nn.Linear(...)(input=x)): passed on by position
                 args, kwargs = signature.bind(*args, **kwargs).args, {}
-            return rule.forward(module, Tap(self._record, module, rule, params), *args, **kwargs)
+            source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            return rule.forward(module, Tap(self._record, module, rule, params, source), *args, **kwargs)
 
         forward.fastdp_engine, forward.fastdp_module = self, module
         return types.MethodType(forward, module)
@@ -165,7 +169,11 @@ class GradSampleEngine:
         task = torch._C._current_graph_task_id()
         if task != self._queued_task:  # the first record of this backward pass
             self._start_pass(task)
-        x = rec.activation[0] if isinstance(rec.activation, tuple) else rec.activation
+        if rec.tap is not None:  # the same forward call in two passes: its samples twice
+            self._pass_taps[id(rec.tap)] = rec.tap
+        x = rec.tap.source[0]() if rec.tap is not None and rec.tap.source is not None else None  # its input
+        if x is None:
+            x = rec.activation[0] if isinstance(rec.activation, tuple) else rec.activation
         if isinstance(x, torch.Tensor):
             self._pass_inputs[id(x)] = (weakref.ref(x), x._version)
             if not rec.params:
@@ -187,6 +195,7 @@ class GradSampleEngine:
 
     def _drop_pass(self) -> None:
         self._pending, self._pass_inputs, self._pass_bases, self._pass_rows = [], {}, {}, {}
+        self._pass_taps = {}
         self._queued_task = None
 
     def _check_rows(self, module: nn.Module, x: torch.Tensor) -> None:
@@ -218,13 +227,13 @@ class GradSampleEngine:
 
     # -- after each backward pass ---------------------------------------------------------
     def _finish_backward(self) -> None:
-        records, inputs, bases = self._pending, self._pass_inputs, self._pass_bases
+        records, inputs, bases, taps = self._pending, self._pass_inputs, self._pass_bases, self._pass_taps
         self._drop_pass()
         if not records:  # no private parameter accumulated (torch.autograd.grad): the pass adds nothing
             return
         # checks first, then everything the pass adds at once at the end: a pass that raises (a refusal,
         # a non-finite sample, an interrupt) leaves no partial sums and no inputs marked as seen
-        self._check_new_samples(inputs)
+        self._check_new_samples(inputs, taps)
         if torch._C._current_autograd_node() is not None:
             # A backward pass run from inside another one's node (reentrant checkpointing): its
             # callback would clip the samples' gradients of this inner part on their own.
@@ -291,6 +300,7 @@ class GradSampleEngine:
         self.summed = summed
         self.generation += 1
         self._step_inputs.update(inputs)
+        self._step_taps.update(taps)
         self.samples_seen += batch
         if found is not None:
             self.pass_batches.update(found)
@@ -314,13 +324,16 @@ class GradSampleEngine:
             warnings.warn(what + " (ignore this for data that does not come from the private dataset, such as a "
                           "GAN's generated samples)", UserWarning, stacklevel=2)
 
-    def _check_new_samples(self, inputs: Dict[int, tuple]) -> None:
+    def _check_new_samples(self, inputs: Dict[int, tuple], taps: Dict[int, Tap]) -> None:
         """Each backward pass before a step adds its samples' clipped sums, so it must see new
         samples: a layer input (same tensor, unchanged) already seen in an earlier pass since the
-        last step means the same samples twice, with noise for once."""
+        last step, or a forward call an earlier pass went through (backward twice through one
+        forward, whatever a norm layer's rule hands its backward), means the same samples twice,
+        with noise for once."""
         seen = self._step_inputs  # the passes since the last step add theirs when they complete
-        if any(key in seen and ref() is not None and seen[key][0]() is ref() and seen[key][1] == version
-               for key, (ref, version) in inputs.items()):
+        if any(key in self._step_taps for key in taps) or any(
+                key in seen and ref() is not None and seen[key][0]() is ref() and seen[key][1] == version
+                for key, (ref, version) in inputs.items()):
             raise UnsupportedModuleError(
                 "the same samples were backpropagated twice before step() (a layer saw the same "
                 "input tensor in two backward() calls): fastdp clips each backward call's samples "
@@ -454,6 +467,7 @@ class GradSampleEngine:
         self.generation += 1
         self.samples_seen = 0
         self._step_inputs = {}
+        self._step_taps = {}
         self.pass_batches = set()
 
 

@@ -583,6 +583,35 @@ def test_two_backward_passes_splitting_the_parameters_of_one_forward_are_refused
     opt.step()
 
 
+@pytest.mark.parametrize("norm", ["LayerNorm", "GroupNorm", "RMSNorm"])
+@pytest.mark.parametrize("case", ["split passes", "two forwards", "backward twice"])
+def test_the_same_samples_twice_are_refused_where_norm_layers_are_the_ones_to_tell(norm, case):
+    """A norm layer's record carried a tensor made in its backward (the normalised input), never the
+    layer's input: split backward(inputs=...) passes through Linear -> norm, two forwards of one tensor
+    into a norm-first model, and backward twice through one forward where only a norm layer trains were
+    accepted, clipping each sample twice (regression review). The forward call and its input now tell."""
+    layer = {"LayerNorm": lambda: nn.LayerNorm(4), "GroupNorm": lambda: nn.GroupNorm(2, 4),
+             "RMSNorm": lambda: nn.RMSNorm(4)}[norm]()
+    first, x = nn.Linear(4, 4), torch.randn(3, 4)
+    model = nn.Sequential(first, layer) if case == "split passes" else nn.Sequential(layer, nn.Linear(4, 2))
+    if case == "backward twice":
+        model = nn.Sequential(first, layer, nn.Linear(4, 2))
+        first.requires_grad_(False)
+        model[2].requires_grad_(False)
+    make(model)
+    loss = model(x).square().sum()
+    with pytest.raises(fastdp.UnsupportedModuleError, match="backpropagated twice"):
+        if case == "split passes":
+            loss.backward(inputs=list(layer.parameters()), retain_graph=True)
+            loss.backward(inputs=list(first.parameters()))
+        elif case == "two forwards":
+            loss.backward()
+            model(x).square().sum().backward()
+        else:
+            loss.backward(retain_graph=True)
+            loss.backward()
+
+
 def _exact_step(model, x, **kw):
     """The .grad one pass over x gives (noise 0)."""
     clone = copy.deepcopy(model)

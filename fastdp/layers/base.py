@@ -16,6 +16,7 @@ Gradients here are those of the loss as the user reduced it; the engine rescales
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
 import torch
@@ -35,13 +36,15 @@ class UnsupportedModuleError(ValueError):
 class Record:
     """One call of a hooked module, seen in one backward pass (told apart by identity)."""
 
-    __slots__ = ("module", "rule", "params", "activation", "grad_output", "batch_size", "cache", "norms")
+    __slots__ = ("module", "rule", "params", "activation", "grad_output", "batch_size", "cache", "norms", "tap")
 
     def __init__(self, module: nn.Module, rule: "LayerRule", params: Dict[str, torch.Tensor],
-                 activation: Any, grad_output: Optional[torch.Tensor], batch_size: int = 0):
+                 activation: Any, grad_output: Optional[torch.Tensor], batch_size: int = 0,
+                 tap: Optional["Tap"] = None):
         self.module, self.rule = module, rule
         self.params = params  # the trainable parameters this call used, by name
         self.activation, self.grad_output, self.batch_size = activation, grad_output, batch_size
+        self.tap = tap  # the forward call's Tap: which call this is, and its input
         self.cache: Dict[str, torch.Tensor] = {}  # per-sample grads (B, *shape)
         self.norms: Dict[str, torch.Tensor] = {}  # squared norms found early
 
@@ -79,11 +82,14 @@ class Tap:
     """Created per forward call with the trainable parameters it used (by name); the
     Function's backward calls :meth:`fire` with its ``ctx`` and what it saw."""
 
-    __slots__ = ("sink", "module", "rule", "params")
+    __slots__ = ("sink", "module", "rule", "params", "source")
 
     def __init__(self, sink: Callable[[Record], None], module: nn.Module, rule: "LayerRule",
-                 params: Dict[str, torch.Tensor]):
+                 params: Dict[str, torch.Tensor], source: Optional[torch.Tensor] = None):
         self.sink, self.module, self.rule, self.params = sink, module, rule, params
+        # the call's input itself (what a rule hands backward may be derived from it afresh, as the
+        # norms' normalised input): what tells the same samples seen twice
+        self.source = None if source is None else (weakref.ref(source), source._version)
 
     def fire(self, ctx, activation: Any, grad_output: torch.Tensor) -> None:
         """Hand over what backward saw, for the parameters whose gradients this backward pass
@@ -98,10 +104,10 @@ class Tap:
                 "(copy.deepcopy) or without create_graph")
         params = _accumulated(ctx, self.params, self.rule)
         if not params:  # the engine only notes the layer's input as seen (a later pass may accumulate them)
-            self.sink(Record(self.module, self.rule, params, activation, None, grad_output.shape[0]))
+            self.sink(Record(self.module, self.rule, params, activation, None, grad_output.shape[0], self))
             return
         self.sink(Record(self.module, self.rule, params, _widen(activation), _widen(grad_output),
-                         grad_output.shape[0]))
+                         grad_output.shape[0], self))
 
 
 def _accumulated(ctx, params: Dict[str, torch.Tensor], rule: "LayerRule") -> Dict[str, torch.Tensor]:
