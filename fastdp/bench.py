@@ -250,15 +250,21 @@ def _vmap_step(model, x, y, crit, opt):
     return step
 
 
-def _fastdp_optimizer(model, x, opt):
+def _fastdp_optimizer(model, x, opt, loss_reduction="mean"):
     from fastdp import DPOptimizer
 
     return DPOptimizer(opt, module=model, noise_multiplier=NOISE_MULTIPLIER, max_grad_norm=MAX_GRAD_NORM,
-                       expected_batch_size=x.shape[0], seed=SEED)
+                       expected_batch_size=x.shape[0], seed=SEED, loss_reduction=loss_reduction)
 
 
 def _fastdp_step(model, x, y, crit, opt):
     return _plain_step(model, x, y, crit, _fastdp_optimizer(model, x, opt))
+
+
+def _fastdp_summed_step(model, x, y, crit, opt):
+    """fastdp on the summed loss, which half-precision output gradients need (the step is the same)."""
+    dp = _fastdp_optimizer(model, x, opt, loss_reduction="sum")
+    return _plain_step(model, x, y, lambda out, target: crit(out, target) * x.shape[0], dp)
 
 
 def _opacus_hooks_step(model, x, y, crit, opt):
@@ -298,7 +304,7 @@ def _bf16(builder):
 _STEP_BUILDERS = {
     "nonprivate": _plain_step, "loop": _loop_step, "vmap": _vmap_step,
     "opacus-hooks": _opacus_hooks_step, "opacus-ghost": _opacus_ghost_step,
-    "bf16-nonprivate": _bf16(_plain_step), "bf16-fastdp": _bf16(_fastdp_step),
+    "bf16-nonprivate": _bf16(_plain_step), "bf16-fastdp": _bf16(_fastdp_summed_step),
 }
 
 # ----------------------------------------------------------------------------- worker

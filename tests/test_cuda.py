@@ -80,9 +80,9 @@ def test_bf16_autocast_conv_after_groupnorm():
     for autocast in (False, True):
         m = __import__("copy").deepcopy(model)
         opt = fastdp.DPOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), module=m, noise_multiplier=0.0,
-                                 max_grad_norm=1e3, expected_batch_size=16)
+                                 max_grad_norm=1e3, expected_batch_size=16, loss_reduction="sum")
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            m(x).float().square().mean().backward()
+            m(x).float().square().sum().backward()
         opt.step()
         grads[autocast] = torch.cat([p.grad.flatten() for p in m.parameters()])
         opt.detach()

@@ -35,14 +35,14 @@ def train(bf16, steps=6):
     torch.manual_seed(0)
     model = CNN()
     opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), module=model, noise_multiplier=0.0,
-                             max_grad_norm=1.0, expected_batch_size=16)
+                             max_grad_norm=1.0, expected_batch_size=16, loss_reduction="sum")
     start = [p.detach().clone() for p in model.parameters()]
     data = batches()
     for step in range(steps):
         x, y = data[step % len(data)]
         opt.zero_grad()
         with torch.autocast(**AUTOCAST, enabled=bf16):
-            loss = nn.functional.cross_entropy(model(x), y)
+            loss = nn.functional.cross_entropy(model(x), y, reduction="sum")
         loss.backward()
         assert all(s.dtype == torch.float32 for s in opt.engine.summed.values())
         opt.step()
@@ -57,6 +57,39 @@ def test_bf16_training_tracks_float32():
         update = (a - s).norm()
         assert update > 0
         assert (a - b).norm() <= 0.05 * update  # measured: <= 1.7%
+
+
+def test_a_mean_loss_with_half_precision_output_gradients_is_refused():
+    """Under bf16 autocast with loss_reduction='mean', each sample's output gradient arrived as g_i / B
+    rounded to bf16 and was multiplied by B: adding one sample moved every other sample's share, and
+    n + 1 copies of one unclipped sample moved the sum by 1.82 C at n = 1000 (audit review)."""
+    model = nn.Linear(8, 4)
+    fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), module=model, noise_multiplier=0.0,
+                       max_grad_norm=1.0, expected_batch_size=100)
+    x = torch.randn(1, 8).expand(1000, 8)
+    with torch.autocast(**AUTOCAST):
+        loss = model(x).float().square().mean()
+    with pytest.raises(fastdp.UnsupportedModuleError, match="half precision .* loss_reduction='sum'"):
+        loss.backward()
+
+
+def test_a_summed_loss_under_autocast_keeps_the_sensitivity():
+    """With loss_reduction='sum' each sample's bf16 gradient depends on itself only: one more copy of
+    an unclipped sample moves the sum by its own norm, below C, at any batch size."""
+    torch.manual_seed(0)
+    layer, x1 = nn.Linear(8, 4), torch.randn(1, 8)
+
+    def clipped_sum(n):
+        model = copy.deepcopy(layer)
+        opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), module=model, noise_multiplier=0.0,
+                                 max_grad_norm=1.0, expected_batch_size=100, loss_reduction="sum")
+        with torch.autocast(**AUTOCAST):
+            out = model(x1.expand(n, 8))
+        (out.float() * 0.05).sum().backward()
+        return torch.cat([opt.engine.summed[p].double().flatten() for p in model.parameters()])
+
+    for n in (100, 1000):
+        assert (clipped_sum(n + 1) - clipped_sum(n)).norm() <= 1.0
 
 
 def test_micro_batches_accumulate_in_float32():

@@ -84,7 +84,7 @@ class Tap:
 
     __slots__ = ("sink", "module", "rule", "params", "source")
 
-    def __init__(self, sink: Callable[[Record], None], module: nn.Module, rule: "LayerRule",
+    def __init__(self, sink: Callable[..., None], module: nn.Module, rule: "LayerRule",
                  params: Dict[str, torch.Tensor], source: Optional[torch.Tensor] = None):
         self.sink, self.module, self.rule, self.params = sink, module, rule, params
         # the call's input itself (what a rule hands backward may be derived from it afresh, as the
@@ -107,7 +107,7 @@ class Tap:
             self.sink(Record(self.module, self.rule, params, activation, None, grad_output.shape[0], self))
             return
         self.sink(Record(self.module, self.rule, params, _widen(activation), _widen(grad_output),
-                         grad_output.shape[0], self))
+                         grad_output.shape[0], self), grad_output.dtype in (torch.float16, torch.bfloat16))
 
 
 def _accumulated(ctx, params: Dict[str, torch.Tensor], rule: "LayerRule") -> Dict[str, torch.Tensor]:
