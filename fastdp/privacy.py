@@ -14,6 +14,17 @@ from fastdp.data import poisson_loader
 from fastdp.optimizer import DPOptimizer
 
 
+# Opacus make_private / make_private_with_epsilon arguments that have no fastdp counterpart, with the fix.
+_OPACUS_ONLY = {
+    "grad_sample_mode": "grad_sample_mode: fastdp has one mode (norms and clipped sums in the one backward pass); "
+                        "remove it",
+    "criterion": "criterion: fastdp needs no wrapped loss (one backward of the plain loss); remove it",
+    "batch_first": "batch_first: fastdp takes dim 0 of every layer input as the batch; remove it",
+    "noise_generator": "noise_generator: pass seed= (or secure_mode=True) instead",
+    "total_steps": "total_steps: give epochs= with target_epsilon (steps = epochs x round(1 / q))",
+}
+
+
 def make_private(
     *,
     module: nn.Module,
@@ -48,10 +59,19 @@ def make_private(
     """
     from fastdp import accounting
 
+    opacus_only = sorted(set(optimizer_kwargs) & set(_OPACUS_ONLY))
+    if opacus_only:
+        raise TypeError(f"make_private got Opacus argument(s) {opacus_only} that fastdp does not take: "
+                        + "; ".join(_OPACUS_ONLY[name] for name in opacus_only))
     dataset_size = len(data_loader.dataset)
     batch_size = data_loader.batch_size
-    if not batch_size or dataset_size == 0:
-        raise ValueError("make_private needs a data loader with a batch_size over a non-empty dataset")
+    if not batch_size:
+        raise ValueError(
+            f"make_private needs a data loader with a batch_size (this {type(data_loader).__name__} has none: built "
+            "with batch_sampler=, e.g. Opacus' DPDataLoader?): pass a plain DataLoader(dataset, batch_size=...), "
+            "whose batch_size / len(dataset) is the sample rate; fastdp does the Poisson sampling itself")
+    if dataset_size == 0:
+        raise ValueError("make_private needs a data loader over a non-empty dataset")
     if batch_size > dataset_size:
         raise ValueError(f"the loader's batch_size {batch_size} exceeds its dataset's {dataset_size} examples: "
                          "the sample rate batch_size / N must be at most 1; lower the batch_size")
@@ -62,6 +82,10 @@ def make_private(
         data_loader = poisson_loader(data_loader, sample_rate, steps_per_epoch, seed, secure_mode)
     if (noise_multiplier is None) == (target_epsilon is None):
         raise ValueError("give exactly one of noise_multiplier or target_epsilon (with target_delta, epochs)")
+    if target_epsilon is None and (target_delta is not None or epochs is not None):
+        warnings.warn("target_delta and epochs only calibrate the noise for a target_epsilon: with noise_multiplier "
+                      "given they are ignored (ask the accountant for epsilon at your delta: optimizer.epsilon(delta))",
+                      UserWarning, stacklevel=2)
     if target_epsilon is not None:
         if target_delta is None or epochs is None:
             raise ValueError("target_epsilon needs target_delta and epochs to calibrate the noise")

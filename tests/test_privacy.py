@@ -742,3 +742,18 @@ def test_a_sample_whose_terms_cancel_moves_the_clipped_sum_by_at_most_c(kind, se
 
     moved = (clipped_sum(torch.cat([x, x_bad]), torch.cat([w, w_bad])) - clipped_sum(x, w)).norm()
     assert moved <= 1.0 + 1e-6
+
+
+def test_opacus_ports_get_errors_that_name_the_fix():
+    """Opacus-only arguments failed as 'DPOptimizer.__init__() got an unexpected keyword argument', an
+    Opacus DPDataLoader (no batch_size) as 'needs a batch_size over a non-empty dataset', and
+    target_delta/epochs beside noise_multiplier were ignored silently (Opacus review)."""
+    model, opt, loader = setup()
+    kwargs = dict(module=model, optimizer=opt, max_grad_norm=1.0, noise_multiplier=1.0)
+    with pytest.raises(TypeError, match=r"Opacus argument\(s\) \['criterion', 'grad_sample_mode'\].*remove it"):
+        fastdp.make_private(data_loader=loader, grad_sample_mode="ghost", criterion=nn.CrossEntropyLoss(), **kwargs)
+    sampled = DataLoader(loader.dataset, batch_sampler=fastdp.PoissonBatchSampler(200, 0.1, seed=0))
+    with pytest.raises(ValueError, match="has none: built with batch_sampler=.*DPDataLoader"):
+        fastdp.make_private(data_loader=sampled, **kwargs)
+    with pytest.warns(UserWarning, match="target_delta and epochs .* ignored"):
+        fastdp.make_private(data_loader=loader, target_delta=1e-5, epochs=2, **kwargs)
