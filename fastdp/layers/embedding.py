@@ -15,7 +15,8 @@ from torch import nn
 
 from fastdp import ops
 from fastdp.layers import register
-from fastdp.layers.base import LayerRule, Record, Tap, UnsupportedModuleError, expand_like, with_rounding_allowance
+from fastdp.layers.base import (LayerRule, Record, Tap, UnsupportedModuleError, expand_like, sq_norms_of,
+                                with_rounding_allowance)
 
 
 class _EmbeddingFn(torch.autograd.Function):
@@ -66,10 +67,13 @@ class EmbeddingRule(LayerRule):
         ids, g = self._flat(rec)
         if ids.shape[1] == 0:  # no position: no gradient
             return {"weight": g.new_zeros(ids.shape[0], dtype=torch.float64)}
-        sq_norms = ops.embedding_sq_norms(ids, g, rec.module.padding_idx)
+        pad = rec.module.padding_idx
+        sq_norms = ops.embedding_sq_norms(ids, g, pad)
         # the clipped sum adds each position's scaled g_t to its token's row (a_t one-hot: |a_t| = 1)
-        slack = ops.squared_norms64(self._masked(rec)[1], 2).sqrt_().sum(1)
-        return {"weight": with_rounding_allowance(sq_norms, slack, ids.shape[1], g.dtype)}
+        row_norms = sq_norms_of(g.reshape(-1, g.shape[-1])).sqrt_().view(ids.shape)
+        if pad is not None:
+            row_norms = row_norms.masked_fill_(ids == pad, 0.0)
+        return {"weight": with_rounding_allowance(sq_norms, row_norms.sum(1), ids.shape[1], g.dtype)}
 
     def _masked(self, rec: Record):
         ids, g = self._flat(rec)

@@ -112,9 +112,9 @@ class LinearRule(LayerRule):
         for name in names:
             if name == "weight":
                 a, g = self._per_sample(rec)
-                slack = (ops.squared_norms64(a, 2).sqrt_() * ops.squared_norms64(g, 2).sqrt_()).sum(1)
-                out[name] = with_rounding_allowance(sq_norms_3d(a, g), slack, a.shape[1],
-                                                    torch.promote_types(a.dtype, g.dtype))
+                row_norms = (sq_norms_of(rec.activation) * sq_norms_of(rec.grad_output)).sqrt_()  # (B*T,)
+                out[name] = with_rounding_allowance(sq_norms_3d(a, g), row_norms.view(a.shape[:2]).sum(1),
+                                                    a.shape[1], torch.promote_types(a.dtype, g.dtype))
             else:  # the bias's per-sample gradients are small: sum over T once
                 out[name] = sq_norms_of(self.cached_grads(rec, [name])[name])
         return out
