@@ -75,7 +75,7 @@ class GradSampleEngine:
         self._module_param_ids = {id(p) for p in self.names}
         self.summed: Dict[torch.Tensor, torch.Tensor] = {}
         self.samples_seen = 0  # samples clipped since the last take_sums()
-        self.generation = 0  # counts the changes of the clipped sums: a pass added, or cleared
+        self.generation = 0  # counts the passes completed and the clears: what a retried step checks
         self.skipped_samples = 0
         self._pending: List[Record] = []
         self._queued_task: Optional[int] = None  # the autograd graph task whose end runs _finish_backward
@@ -253,6 +253,7 @@ class GradSampleEngine:
         self.check_foreign_grads()
         batch = self._batch_size(records)
         if batch == 0:  # an empty (Poisson) batch: nothing to clip, the step adds noise only
+            self.generation += 1  # still a pass: a step failed before it is not retried on it
             return
         scale = float(batch) if self.loss_reduction == "mean" else 1.0
         found = None

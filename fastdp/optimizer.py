@@ -123,7 +123,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self.accountant = None
         self.loader = None  # the Poisson loader whose batches the steps take, once attached
         self._detached = False
-        self._unfinished: Optional[tuple] = None  # (engine.generation, phase done) of a step that raised midway
+        self._unfinished: Optional[tuple] = None  # (_retry_key(), phase done[, sigma counted]): a step that raised
         # last: it hooks the module, so nothing after it may fail and leave the hooks behind
         self.engine = GradSampleEngine(module, params, self.clipping, loss_reduction, nonfinite)
         # seeds drawn per noise key and module: an optimizer rebuilt on the module with the same seed (after
@@ -360,25 +360,42 @@ class DPOptimizer(torch.optim.Optimizer):
         self.engine.check_foreign_grads()  # also where no hooked layer ran, so no backward callback did
         self._check_noise_fits_parameters()
         self._check_ranks_agree()
-        # A step that raised after its batch was closed (the accountant raising, an out-of-memory error
-        # while drawing the noise, the wrapped optimizer failing) resumes where it stopped, if retried
-        # on the same clipped sums: the batch is not closed or counted twice, its sums released once.
-        done = self._unfinished[1] if self._unfinished and self._unfinished[0] == self.engine.generation else None
+        # A step that raised after its batch was closed (the accountant raising, the wrapped optimizer
+        # failing) resumes where it stopped if retried on the same clipped sums, before any other pass or
+        # batch: the batch is not closed or counted twice, its sums released once.
+        key = self._retry_key()
+        done = self._unfinished[1] if self._unfinished and self._unfinished[0] == key else None
         if done is None:
             self._check_one_batch_per_step()
-            self._unfinished = (self.engine.generation, "closed")
+            self._unfinished = (key, "closed")
         if done in (None, "closed"):
             self._account_step()
-            self._unfinished = (self.engine.generation, "counted")
+            self._unfinished = (key, "counted", self.noise_multiplier)
         if done != "released":
-            self.privatise_grads()
-            self._unfinished = (self.engine.generation, "released")
+            if self._unfinished[2] != self.noise_multiplier:
+                raise ValueError(
+                    f"this step was counted at noise_multiplier={self._unfinished[2]} before it failed; releasing it "
+                    f"at {self.noise_multiplier} would not be what the accountant recorded: set noise_multiplier "
+                    "back to retry it, or call zero_grad() to give it up (it stays counted)")
+            try:
+                self.privatise_grads()
+            except BaseException:
+                # the noise is written into the sums in place, tensor by tensor: partly noised and divided, they
+                # are dropped. A retry releases noise only, counted again (conservative)
+                self.engine.clear()
+                raise
+            self._unfinished = (self._retry_key(), "released")
         self.original_optimizer.step()
         self._unfinished = None
         self.steps += 1
         for hook in self._step_hooks:
             hook(self)
         return loss
+
+    def _retry_key(self) -> tuple:
+        """What a retried step must find unchanged since it failed: the clipped sums (any backward pass
+        or zero_grad() changes their generation) and the batches the loader handed out."""
+        return self.engine.generation, None if self.loader is None else self.loader.ledger.taken
 
     def _check_ranks_agree(self) -> None:
         """One process: nothing to compare (see DistributedDPOptimizer)."""
