@@ -726,3 +726,33 @@ def test_a_coefficient_below_float32s_normal_range_gives_no_share_rather_than_up
         opt.step()
         share = float(model.weight.grad.double().norm()) / 1e-30
         assert share == pytest.approx(most, abs=1e-6)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_nan_output_gradients_at_padding_positions_are_dropped_as_torch_drops_them(tied):
+    """A loss whose unselected branch has gradient 0 * NaN at padding positions: plain torch gives the
+    padding row no gradient, fastdp's 'g * mask' kept the NaN, put it in the released sum unnoticed
+    (sample x' readable from the release), or, tied to a head, refused or dropped the sample (red team)."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(8, 4, padding_idx=0)
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 0, 0]])
+
+    def loss_of(out):
+        mask = (ids != 0).unsqueeze(-1)
+        return torch.where(mask, out, (out + 100.0 * mask).sqrt()).sum()  # sqrt of < 0 at padding positions
+
+    plain = copy.deepcopy(emb)
+    loss_of(plain(ids)).backward()
+    assert torch.isfinite(plain.weight.grad).all()
+    for policy in ("raise", "skip"):
+        model = nn.ModuleDict({"emb": copy.deepcopy(emb), "head": nn.Linear(4, 8, bias=False)})
+        if tied:
+            model["head"].weight = model["emb"].weight
+        opt = make(model, noise_multiplier=0.0, max_grad_norm=1e6, loss_reduction="sum", nonfinite=policy)
+        out = model["emb"](ids)
+        (loss_of(out) + (model["head"](out[:, 0]).sum() if tied else 0)).backward()
+        opt.step()
+        weight = model["emb"].weight
+        assert opt.skipped_samples == 0 and torch.isfinite(weight.grad).all()
+        if not tied:
+            torch.testing.assert_close(weight.grad * 4, plain.weight.grad)

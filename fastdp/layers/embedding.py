@@ -78,8 +78,8 @@ class EmbeddingRule(LayerRule):
     def _masked(self, rec: Record):
         ids, g = self._flat(rec)
         pad = rec.module.padding_idx
-        if pad is not None:
-            g = g * (ids != pad).unsqueeze(-1).to(g.dtype)
+        if pad is not None:  # dropped as torch drops them: a NaN or Inf there (0 * NaN) must not get through
+            g = g.masked_fill((ids == pad).unsqueeze(-1), 0.0)
         return ids, g
 
     def per_sample_grads(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
