@@ -166,11 +166,11 @@ class GradSampleEngine:
         """Take a hooked layer's record. One whose parameters this pass does not accumulate
         (``backward(inputs=...)`` naming others) only marks its input as seen: a later pass through
         the same forward, accumulating those parameters, would clip the same samples again.
-        ``half_grads``: its output gradient came in float16 or bfloat16."""
+        ``half_grads``: its output gradient came in float16 or bfloat16, or its forward ran under autocast."""
         if half_grads and rec.params and self.loss_reduction == "mean":
             raise UnsupportedModuleError(
-                f"{self._module_name(rec.module)} got its output gradient in half precision (autocast or a half "
-                "model) with loss_reduction='mean': each sample's gradient arrives as g_i / B rounded to 16 bits, "
+                f"{self._module_name(rec.module)} ran under autocast or got its output gradient in half precision "
+                "with loss_reduction='mean': each sample's gradient arrives as g_i / B rounded to 16 bits, "
                 "and fastdp's rescaling by B then moves every other sample's share when one sample joins the "
                 "batch (sensitivity above C, up to 1.8 C measured); use loss_reduction='sum' with a summed loss "
                 "(the noisy sum is still divided by the expected batch size: the step is unchanged)")

@@ -73,6 +73,23 @@ def test_a_mean_loss_with_half_precision_output_gradients_is_refused():
         loss.backward()
 
 
+@pytest.mark.parametrize("trained", ["embedding", "layernorm"])
+def test_a_mean_loss_is_refused_under_autocast_where_the_trained_layer_gets_float32_gradients(trained):
+    """An Embedding or LayerNorm (float32 output) feeding an autocast matmul gets its gradient back in
+    float32 holding bf16-rounded g_i / B: only-embedding or LN tuning passed the dtype check, 1.8 C at
+    n = 1000 (regression review). The forward's autocast state is what counts."""
+    first = nn.Embedding(4, 8) if trained == "embedding" else nn.LayerNorm(8)
+    head = nn.Linear(8, 2).requires_grad_(False)
+    model = nn.Sequential(first, head)
+    fastdp.DPOptimizer(torch.optim.SGD(first.parameters(), lr=0.1), module=model, noise_multiplier=0.0,
+                       max_grad_norm=1.0, expected_batch_size=100)
+    x = torch.ones(1000, dtype=torch.long) if trained == "embedding" else torch.randn(1000, 8)
+    with torch.autocast(**AUTOCAST):
+        loss = model(x).float().square().mean()
+    with pytest.raises(fastdp.UnsupportedModuleError, match="ran under autocast .* loss_reduction='sum'"):
+        loss.backward()
+
+
 def test_a_summed_loss_under_autocast_keeps_the_sensitivity():
     """With loss_reduction='sum' each sample's bf16 gradient depends on itself only: one more copy of
     an unclipped sample moves the sum by its own norm, below C, at any batch size."""

@@ -82,7 +82,7 @@ class Tap:
     """Created per forward call with the trainable parameters it used (by name); the
     Function's backward calls :meth:`fire` with its ``ctx`` and what it saw."""
 
-    __slots__ = ("sink", "module", "rule", "params", "source")
+    __slots__ = ("sink", "module", "rule", "params", "source", "autocast")
 
     def __init__(self, sink: Callable[..., None], module: nn.Module, rule: "LayerRule",
                  params: Dict[str, torch.Tensor], source: Optional[torch.Tensor] = None):
@@ -90,6 +90,9 @@ class Tap:
         # the call's input itself (what a rule hands backward may be derived from it afresh, as the
         # norms' normalised input): what tells the same samples seen twice
         self.source = None if source is None else (weakref.ref(source), source._version)
+        # whether the call ran under autocast: its output gradient may hold 16-bit-rounded values even
+        # where it arrives in float32 (an embedding or norm layer feeding an autocast matmul)
+        self.autocast = source is not None and torch.is_autocast_enabled(source.device.type)
 
     def fire(self, ctx, activation: Any, grad_output: torch.Tensor) -> None:
         """Hand over what backward saw, for the parameters whose gradients this backward pass
@@ -107,7 +110,8 @@ class Tap:
             self.sink(Record(self.module, self.rule, params, activation, None, grad_output.shape[0], self))
             return
         self.sink(Record(self.module, self.rule, params, _widen(activation), _widen(grad_output),
-                         grad_output.shape[0], self), grad_output.dtype in (torch.float16, torch.bfloat16))
+                         grad_output.shape[0], self),
+                  self.autocast or grad_output.dtype in (torch.float16, torch.bfloat16))
 
 
 def _accumulated(ctx, params: Dict[str, torch.Tensor], rule: "LayerRule") -> Dict[str, torch.Tensor]:
