@@ -806,3 +806,27 @@ def test_opacus_ports_get_errors_that_name_the_fix():
         fastdp.make_private(data_loader=sampled, **kwargs)
     with pytest.warns(UserWarning, match="target_delta and epochs .* ignored"):
         fastdp.make_private(data_loader=loader, target_delta=1e-5, epochs=2, **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv"])
+def test_a_float64_sample_whose_gram_terms_cancel_is_clipped(kind, monkeypatch):
+    """Float64, ghost route: output gradients M e and -M e + f (M = 2^27) at two positions of one
+    input row: the gradient has norm 1, the float64 Gram sum rounds its square to ~0, and the sum's
+    rounding allowance (~1e-15 S) did not cover the Gram's (~1e-8 S): released 1e4 C (regression
+    review). Ghost norms now carry their Gram rounding too."""
+    import fastdp.layers.conv as conv
+    monkeypatch.setattr(conv, "AUTOTUNE", False)
+    monkeypatch.setattr(conv, "route_costs", lambda t, d, p: (0, 1))  # ghost
+    bound, big = 1e-4, 2.0 ** 27
+    a = torch.zeros(1, 2, 64, dtype=torch.float64)
+    a[0, :, 0] = 1.0
+    g = torch.zeros(1, 2, 64, dtype=torch.float64)
+    g[0, 0, 0], g[0, 1, 0], g[0, 1, 1] = big, -big, 1.0
+    if kind == "linear":
+        layer, x, w = nn.Linear(64, 64, bias=False).double(), a, g
+    else:  # kernel 1 over two positions: the same as the linear layer
+        layer, x, w = nn.Conv1d(64, 64, 1, bias=False).double(), a.transpose(1, 2), g.transpose(1, 2)
+    opt = fastdp.DPOptimizer(torch.optim.SGD(layer.parameters(), lr=0.0), module=layer, noise_multiplier=0.0,
+                             max_grad_norm=bound, expected_batch_size=1.0, loss_reduction="sum")
+    (layer(x) * w).sum().backward()
+    assert opt.engine.summed[layer.weight].norm() <= bound * (1 + 1e-9)

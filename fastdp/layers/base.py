@@ -229,6 +229,14 @@ def with_rounding_allowance(sq_norms: torch.Tensor, slack: torch.Tensor, seq: in
     return (sq_norms.clamp(min=0).sqrt_() + gamma * slack).square_()  # a Gram sum can round below 0
 
 
+def with_gram_allowance(sq_norms: torch.Tensor, slack: torch.Tensor, terms: int) -> torch.Tensor:
+    """Squared ghost norms (float64 (B,)) widened by their own rounding: ``sum_{s,t} (a_s . a_t)(g_s . g_t)``
+    from float64 Grams errs by up to ``terms u64 S_i^2`` (``terms = d + p + 2 T^2``, ``S_i`` the slack of
+    :func:`with_rounding_allowance`), which is about ``sqrt(terms u64) S_i`` in the norm: where the terms
+    cancel (float64 inputs, or large d + p) more than the sum's allowance covers."""
+    return sq_norms.clamp(min=0).add_(slack.square().mul_(terms * 2.0 ** -53))
+
+
 def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t.to(dtype)``, skipping the call where it is already so (saves a dispatch per use)."""
     return t if t.dtype == dtype else t.to(dtype)

@@ -34,7 +34,7 @@ from torch import nn
 from fastdp import ops
 from fastdp.layers import register
 from fastdp.layers.base import (LayerRule, Record, Tap, as_dtype, batch_chunks, check_batched, expand_like,
-                                sq_norms_of, weighted_sum, with_rounding_allowance)
+                                sq_norms_of, weighted_sum, with_gram_allowance, with_rounding_allowance)
 from fastdp.layers.linear import route_costs
 
 _CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -346,6 +346,7 @@ class ConvRule(LayerRule):
             request: Optional[InputGradRequest] = rec.activation[2] if fused_input else None
             fused = ops.conv_sq_norms(x, g, spec, ghost, keep_grads=keep, bias_grads="bias" in rec.params,
                                       input_weight=None if request is None else request.weight)
+            seq, d, p = self._linear_dims(g, spec, weight)
             if fused is not None:
                 norms, grads, bias, grad_input = fused
                 for param, kept in (("weight", grads), ("bias", bias)):
@@ -353,10 +354,12 @@ class ConvRule(LayerRule):
                         rec.cache[param] = kept
                 if request is not None:
                     request.grad = grad_input
-                return norms
+            else:
+                norms = self._ghost_sq_norms(x, g, spec, d, p, seq) if ghost else None
             if ghost:
-                seq, d, p = self._linear_dims(g, spec, weight)
-                return self._ghost_sq_norms(x, g, spec, d, p, seq)
+                return with_gram_allowance(norms, self._slack(rec), d + p + 2 * seq * seq)
+            if norms is not None:
+                return norms
         return self._direct_sq_norms(rec, x, g, spec, weight.shape)
 
     def prepare(self, rec: Record) -> None:
@@ -371,14 +374,17 @@ class ConvRule(LayerRule):
             self.cached_grads(rec, ["bias"])
         rec.release()
 
+    def _slack(self, rec: Record) -> torch.Tensor:
+        """A bound on ``sum_t |a_t| |g_t|`` over positions and groups (a_t a patch): each input element
+        is in at most prod(kernel) patches, so by Cauchy-Schwarz ``sqrt(prod(kernel)) |x_i| |g_i|``."""
+        x, spec, _ = self._shapes(rec)
+        return (sq_norms_of(x) * sq_norms_of(rec.grad_output)).sqrt_().mul_(math.sqrt(math.prod(spec.kernel)))
+
     def _with_rounding_allowance(self, rec: Record, sq_norms: torch.Tensor) -> torch.Tensor:
-        """:func:`with_rounding_allowance` for the weight's clipped-sum convolution. Each input element
-        is in at most prod(kernel) patches, so by Cauchy-Schwarz ``sum_t |a_t| |g_t|`` over positions
-        and groups is at most ``sqrt(prod(kernel)) |x_i| |g_i|``: two per-sample norms."""
-        x, spec, weight = self._shapes(rec)
+        """:func:`with_rounding_allowance` for the weight's clipped-sum convolution."""
+        _, spec, weight = self._shapes(rec)
         g = rec.grad_output
-        slack = (sq_norms_of(x) * sq_norms_of(g)).sqrt_().mul_(math.sqrt(math.prod(spec.kernel)))
-        return with_rounding_allowance(sq_norms, slack, self._linear_dims(g, spec, weight)[0], g.dtype)
+        return with_rounding_allowance(sq_norms, self._slack(rec), self._linear_dims(g, spec, weight)[0], g.dtype)
 
     def per_sample_grads(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
         x, spec, weight = self._shapes(rec)

@@ -20,7 +20,7 @@ from torch import nn
 from fastdp import ops
 from fastdp.layers import register
 from fastdp.layers.base import (LayerRule, Record, Tap, UnsupportedModuleError, as_dtype, batch_chunks,
-                                sq_norms_of, weighted_sum, with_rounding_allowance)
+                                sq_norms_of, weighted_sum, with_gram_allowance, with_rounding_allowance)
 
 
 class _LinearFn(torch.autograd.Function):
@@ -112,9 +112,12 @@ class LinearRule(LayerRule):
         for name in names:
             if name == "weight":
                 a, g = self._per_sample(rec)
-                row_norms = (sq_norms_of(rec.activation) * sq_norms_of(rec.grad_output)).sqrt_()  # (B*T,)
-                out[name] = with_rounding_allowance(sq_norms_3d(a, g), row_norms.view(a.shape[:2]).sum(1),
-                                                    a.shape[1], torch.promote_types(a.dtype, g.dtype))
+                (batch, seq, d), p = a.shape, g.shape[2]
+                slack = (sq_norms_of(rec.activation) * sq_norms_of(rec.grad_output)).sqrt_().view(batch, seq).sum(1)
+                sq = sq_norms_3d(a, g)
+                if ghost_is_cheaper(seq, d, p):  # the route sq_norms_3d took
+                    sq = with_gram_allowance(sq, slack, d + p + 2 * seq * seq)
+                out[name] = with_rounding_allowance(sq, slack, seq, torch.promote_types(a.dtype, g.dtype))
             else:  # the bias's per-sample gradients are small: sum over T once
                 out[name] = sq_norms_of(self.cached_grads(rec, [name])[name])
         return out
