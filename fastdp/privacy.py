@@ -19,10 +19,12 @@ _OPACUS_ONLY = {
     "grad_sample_mode": "grad_sample_mode: fastdp has one mode (norms and clipped sums in the one backward pass); "
                         "remove it",
     "criterion": "criterion: fastdp needs no wrapped loss (one backward of the plain loss); remove it",
-    "batch_first": "batch_first: fastdp takes dim 0 of every layer input as the batch; remove it",
-    "noise_generator": "noise_generator: pass seed= (or secure_mode=True) instead",
+    "batch_first": "batch_first=False: fastdp takes dim 0 of every layer input as the batch; permute the inputs "
+                   "to put the batch first",
+    "noise_generator": "noise_generator: pass seed= (or secure_mode=True) instead of a generator",
     "total_steps": "total_steps: give epochs= with target_epsilon (steps = epochs x round(1 / q))",
 }
+_OPACUS_AS_FASTDP = {"batch_first": True, "noise_generator": None}
 
 
 def make_private(
@@ -59,6 +61,9 @@ def make_private(
     """
     from fastdp import accounting
 
+    for name, same in _OPACUS_AS_FASTDP.items():  # Opacus values that say what fastdp does anyway
+        if name in optimizer_kwargs and optimizer_kwargs[name] is same:
+            del optimizer_kwargs[name]
     opacus_only = sorted(set(optimizer_kwargs) & set(_OPACUS_ONLY))
     if opacus_only:
         raise TypeError(f"make_private got Opacus argument(s) {opacus_only} that fastdp does not take: "

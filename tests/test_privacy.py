@@ -804,8 +804,11 @@ def test_opacus_ports_get_errors_that_name_the_fix():
     sampled = DataLoader(loader.dataset, batch_sampler=fastdp.PoissonBatchSampler(200, 0.1, seed=0))
     with pytest.raises(ValueError, match="has none: built with batch_sampler=.*DPDataLoader"):
         fastdp.make_private(data_loader=sampled, **kwargs)
-    with pytest.warns(UserWarning, match="target_delta and epochs .* ignored"):
-        fastdp.make_private(data_loader=loader, target_delta=1e-5, epochs=2, **kwargs)
+    with pytest.raises(TypeError, match="batch_first=False: .* put the batch first"):
+        fastdp.make_private(data_loader=loader, batch_first=False, **kwargs)
+    with pytest.warns(UserWarning, match="target_delta and epochs .* ignored"):  # and Opacus' defaults pass
+        fastdp.make_private(data_loader=loader, target_delta=1e-5, epochs=2, batch_first=True, noise_generator=None,
+                            **kwargs)
 
 
 @pytest.mark.parametrize("kind", ["linear", "conv"])
