@@ -74,7 +74,7 @@ class GradSampleEngine:
             self.names.setdefault(p, name)
         self._module_param_ids = {id(p) for p in self.names}
         self.summed: Dict[torch.Tensor, torch.Tensor] = {}
-        self.samples_seen = 0  # samples clipped since the last take_sums()
+        self.samples_seen = 0  # samples clipped since the last step (or clear())
         self.generation = 0  # counts the passes completed and the clears: what a retried step checks
         self.skipped_samples = 0
         self._pending: List[Record] = []
@@ -461,12 +461,6 @@ class GradSampleEngine:
         """Clipped sums of all parameters (zeros where nothing was seen), in the compute dtype; kept."""
         return [self.summed[p] if p in self.summed else torch.zeros_like(p, dtype=compute_dtype(p.dtype))
                 for p in self.params]
-
-    def take_sums(self) -> List[torch.Tensor]:
-        """:meth:`sums`, and reset."""
-        sums = self.sums()
-        self.clear()
-        return sums
 
     def clear(self) -> None:
         """Drop the clipped sums and what the passes since the last step saw (and what a pass
