@@ -30,7 +30,7 @@ from torch import nn
 
 from fastdp import ops
 from fastdp.layers import Record, Tap, UnsupportedModuleError, rule_for
-from fastdp.layers.base import sq_norms_of, weighted_sum
+from fastdp.layers.base import rounded_to_16_bits, sq_norms_of, weighted_sum
 from fastdp.ops import compute_dtype
 from fastdp.validate import validate
 
@@ -162,15 +162,16 @@ class GradSampleEngine:
         self._patched = []
         self._drop_pass()
 
-    def _record(self, rec: Record, half_grads: bool = False) -> None:
+    def _record(self, rec: Record, grad_output: Optional[torch.Tensor] = None) -> None:
         """Take a hooked layer's record. One whose parameters this pass does not accumulate
         (``backward(inputs=...)`` naming others) only marks its input as seen: a later pass through
         the same forward, accumulating those parameters, would clip the same samples again.
-        ``half_grads``: its output gradient came in float16 or bfloat16, or its forward ran under autocast."""
-        if half_grads and rec.params and self.loss_reduction == "mean":
+        ``grad_output``: the output gradient as it came (before widening), for the 16-bit check."""
+        if (grad_output is not None and rec.params and self.loss_reduction == "mean"
+                and rounded_to_16_bits(grad_output)):
             raise UnsupportedModuleError(
-                f"{self._module_name(rec.module)} ran under autocast or got its output gradient in half precision "
-                "with loss_reduction='mean': each sample's gradient arrives as g_i / B rounded to 16 bits, "
+                f"{self._module_name(rec.module)} got its output gradient rounded to 16 bits (autocast, or a half "
+                "model) with loss_reduction='mean': each sample's gradient arrives as g_i / B rounded to 16 bits, "
                 "and fastdp's rescaling by B then moves every other sample's share when one sample joins the "
                 "batch (sensitivity above C, up to 1.8 C measured); use loss_reduction='sum' with a summed loss "
                 "(the noisy sum is still divided by the expected batch size: the step is unchanged)")

@@ -16,15 +16,15 @@ from fastdp.optimizer import DPOptimizer
 
 # Opacus make_private / make_private_with_epsilon arguments that have no fastdp counterpart, with the fix.
 _OPACUS_ONLY = {
-    "grad_sample_mode": "grad_sample_mode: fastdp has one mode (norms and clipped sums in the one backward pass); "
+    "grad_sample_mode": "fastdp has one mode (norms and clipped sums in the one backward pass); "
                         "remove it",
-    "criterion": "criterion: fastdp needs no wrapped loss (one backward of the plain loss); remove it",
-    "batch_first": "batch_first=False: fastdp takes dim 0 of every layer input as the batch; permute the inputs "
+    "criterion": "fastdp needs no wrapped loss (one backward of the plain loss); remove it",
+    "batch_first": "fastdp takes dim 0 of every layer input as the batch; permute the inputs "
                    "to put the batch first",
-    "noise_generator": "noise_generator: pass seed= (or secure_mode=True) instead of a generator",
-    "total_steps": "total_steps: give epochs= with target_epsilon (steps = epochs x round(1 / q))",
+    "noise_generator": "pass seed= (or secure_mode=True) instead of a generator",
+    "total_steps": "give epochs= with target_epsilon (steps = epochs x round(1 / q))",
 }
-_OPACUS_AS_FASTDP = {"batch_first": True, "noise_generator": None}
+_OPACUS_AS_FASTDP = {"batch_first": lambda value: bool(value), "noise_generator": lambda value: value is None}
 
 
 def make_private(
@@ -62,12 +62,13 @@ def make_private(
     from fastdp import accounting
 
     for name, same in _OPACUS_AS_FASTDP.items():  # Opacus values that say what fastdp does anyway
-        if name in optimizer_kwargs and optimizer_kwargs[name] is same:
+        if name in optimizer_kwargs and same(optimizer_kwargs[name]):
             del optimizer_kwargs[name]
     opacus_only = sorted(set(optimizer_kwargs) & set(_OPACUS_ONLY))
     if opacus_only:
         raise TypeError(f"make_private got Opacus argument(s) {opacus_only} that fastdp does not take: "
-                        + "; ".join(_OPACUS_ONLY[name] for name in opacus_only))
+                        + "; ".join(f"{name}={optimizer_kwargs[name]!r}: {_OPACUS_ONLY[name]}"
+                                    for name in opacus_only))
     dataset_size = len(data_loader.dataset)
     batch_size = data_loader.batch_size
     if not batch_size:

@@ -69,25 +69,44 @@ def test_a_mean_loss_with_half_precision_output_gradients_is_refused():
     x = torch.randn(1, 8).expand(1000, 8)
     with torch.autocast(**AUTOCAST):
         loss = model(x).float().square().mean()
-    with pytest.raises(fastdp.UnsupportedModuleError, match="half precision .* loss_reduction='sum'"):
+    with pytest.raises(fastdp.UnsupportedModuleError, match="rounded to 16 bits .* loss_reduction='sum'"):
         loss.backward()
 
 
 @pytest.mark.parametrize("trained", ["embedding", "layernorm"])
-def test_a_mean_loss_is_refused_under_autocast_where_the_trained_layer_gets_float32_gradients(trained):
+@pytest.mark.parametrize("under_autocast", ["all", "head only"])
+def test_a_mean_loss_is_refused_where_a_float32_gradient_came_through_a_16_bit_op(trained, under_autocast):
     """An Embedding or LayerNorm (float32 output) feeding an autocast matmul gets its gradient back in
-    float32 holding bf16-rounded g_i / B: only-embedding or LN tuning passed the dtype check, 1.8 C at
-    n = 1000 (regression review). The forward's autocast state is what counts."""
+    float32 holding bf16-rounded g_i / B: only-embedding or LN tuning passed the dtype check (1.8 C at
+    n = 1000), and so did a model whose head alone ran under autocast (2.3 C; regression reviews). The
+    gradient's values tell, not its dtype or the layer's own autocast state."""
     first = nn.Embedding(4, 8) if trained == "embedding" else nn.LayerNorm(8)
     head = nn.Linear(8, 2).requires_grad_(False)
     model = nn.Sequential(first, head)
     fastdp.DPOptimizer(torch.optim.SGD(first.parameters(), lr=0.1), module=model, noise_multiplier=0.0,
                        max_grad_norm=1.0, expected_batch_size=100)
     x = torch.ones(1000, dtype=torch.long) if trained == "embedding" else torch.randn(1000, 8)
-    with torch.autocast(**AUTOCAST):
-        loss = model(x).float().square().mean()
-    with pytest.raises(fastdp.UnsupportedModuleError, match="ran under autocast .* loss_reduction='sum'"):
+    if under_autocast == "all":
+        with torch.autocast(**AUTOCAST):
+            loss = model(x).float().square().mean()
+    else:
+        h = first(x)
+        with torch.autocast(**AUTOCAST):
+            loss = head(h).float().square().mean()
+    with pytest.raises(fastdp.UnsupportedModuleError, match="rounded to 16 bits .* loss_reduction='sum'"):
         loss.backward()
+
+
+def test_autocast_without_16_bit_rounding_is_not_refused():
+    """A float64 model under CPU autocast (which leaves float64 alone) was refused for the autocast
+    state alone (regression review)."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), module=model, noise_multiplier=0.0,
+                             max_grad_norm=1.0, expected_batch_size=100)
+    with torch.autocast(**AUTOCAST):
+        loss = model(torch.randn(64, 8, dtype=torch.float64)).square().mean()
+    loss.backward()
+    opt.step()
 
 
 def test_a_summed_loss_under_autocast_keeps_the_sensitivity():

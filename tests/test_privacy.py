@@ -804,6 +804,10 @@ def test_opacus_ports_get_errors_that_name_the_fix():
     sampled = DataLoader(loader.dataset, batch_sampler=fastdp.PoissonBatchSampler(200, 0.1, seed=0))
     with pytest.raises(ValueError, match="has none: built with batch_sampler=.*DPDataLoader"):
         fastdp.make_private(data_loader=sampled, **kwargs)
+    with pytest.raises(TypeError, match="batch_first=False: .* put the batch first"):  # numpy's True passes
+        fastdp.make_private(data_loader=loader, batch_first=False, **kwargs)
+    with pytest.raises(TypeError, match="criterion=1: fastdp needs no wrapped loss"):
+        fastdp.make_private(data_loader=loader, batch_first=__import__("numpy").True_, criterion=1, **kwargs)
     with pytest.raises(TypeError, match="batch_first=False: .* put the batch first"):
         fastdp.make_private(data_loader=loader, batch_first=False, **kwargs)
     with pytest.warns(UserWarning, match="target_delta and epochs .* ignored"):  # and Opacus' defaults pass
