@@ -128,6 +128,12 @@ def worker(rank, port, out):
             except ValueError as exc:
                 result["disagree"].append(str(exc))
         result["disagree_steps"] = (opt.steps, len(accountant.history))
+        # 8. a step that failed midway (here marked so on both ranks) is refused before any collective
+        opt._unfinished = ((0, None), "counted", 1.0)
+        try:
+            opt.step()
+        except RuntimeError as exc:
+            result["no_retry"] = str(exc)
         torch.save(result, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -245,6 +251,12 @@ def test_ranks_that_clip_or_divide_differently_are_refused_before_the_step_count
         assert "expected_batch_size" in second and "from 1 to 2)" in second
         assert "clipping settings" in third  # flat C on rank 0, per-layer bounds summing to C on rank 1
         assert rank["disagree_steps"] == (0, 0)
+
+
+def test_a_data_parallel_step_that_failed_midway_is_not_retried(runs):
+    """Rank 0's retry began with a collective the other ranks were not in: gloo aborted with a size
+    mismatch (regression review). Refused before any collective, with what to do."""
+    assert all("cannot be retried" in rank["no_retry"] for rank in runs)
 
 
 def test_a_plain_optimizer_refuses_a_shard_loader():
