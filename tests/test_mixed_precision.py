@@ -97,6 +97,22 @@ def test_a_mean_loss_is_refused_where_a_float32_gradient_came_through_a_16_bit_o
         loss.backward()
 
 
+@pytest.mark.parametrize("loss", ["l1", "hinge", "sum"])
+def test_float32_losses_whose_gradients_are_few_dyadic_values_are_not_refused(loss):
+    """An L1 or hinge loss's gradient is +-1/B (a sum loss's 1/B): with B a power of 2 it fits 16 bits
+    exactly, and two values were enough to refuse a plain float32 run as 16-bit rounded."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), module=model, noise_multiplier=1.0,
+                             max_grad_norm=1.0, expected_batch_size=64)
+    x, y = torch.randn(64, 8), torch.randn(64, 1)
+    out = model(x)
+    losses = {"l1": lambda: nn.functional.l1_loss(out, y), "hinge": lambda: (1 - y.sign() * out).relu().mean(),
+              "sum": lambda: out.mean()}
+    losses[loss]().backward()
+    opt.step()
+
+
 def test_autocast_without_16_bit_rounding_is_not_refused():
     """A float64 model under CPU autocast (which leaves float64 alone) was refused for the autocast
     state alone (regression review)."""

@@ -133,10 +133,10 @@ def _accumulated(ctx, params: Dict[str, torch.Tensor], rule: "LayerRule") -> Dic
 
 def rounded_to_16_bits(g: torch.Tensor) -> bool:
     """Whether the output gradient ``g`` came through a 16-bit op: float16/bfloat16, or float32 whose
-    first 512 values all survive a round trip through bfloat16 or float16 and hold more than one
-    nonzero value (an embedding or norm layer whose output fed an autocast matmul; a genuine float32
-    gradient keeps low mantissa bits). A sample, not the whole tensor: this runs on every hooked
-    layer's backward under a mean loss."""
+    first 512 values all survive a round trip through bfloat16 or float16 and hold at least 8
+    distinct nonzero magnitudes (an embedding or norm layer whose output fed an autocast matmul; a
+    genuine float32 gradient keeps low mantissa bits). A sample, not the whole tensor: this runs on
+    every hooked layer's backward under a mean loss."""
     if g.dtype in (torch.float16, torch.bfloat16):
         return True
     if g.dtype != torch.float32 or g.numel() == 0:
@@ -144,8 +144,8 @@ def rounded_to_16_bits(g: torch.Tensor) -> bool:
     head = g.reshape(-1)[:512]
     if not any(torch.equal(head.to(half).float(), head) for half in (torch.bfloat16, torch.float16)):
         return False  # the usual case, found in a few operations
-    values = head[head != 0]
-    return values.numel() > 0 and not bool((values == values[0]).all())  # not one value (a sum loss's ones)
+    # and varied: a few magnitudes are a loss's own (a sum's ones, an L1 or hinge loss's +-1/B with B a power of 2)
+    return head[head != 0].abs().unique().numel() >= 8
 
 
 def _widen(x: Any) -> Any:
