@@ -142,8 +142,10 @@ def rounded_to_16_bits(g: torch.Tensor) -> bool:
     if g.dtype != torch.float32 or g.numel() == 0:
         return False
     head = g.reshape(-1)[:512]
+    if bool((head.view(torch.int32) & 0x1FFF).any()):  # low mantissa bits that neither 16-bit type holds:
+        return False  # the usual case, in two operations
     if not any(torch.equal(head.to(half).float(), head) for half in (torch.bfloat16, torch.float16)):
-        return False  # the usual case, found in a few operations
+        return False
     # and varied: a few magnitudes are a loss's own (a sum's ones, an L1 or hinge loss's +-1/B with B a power of 2)
     return head[head != 0].abs().unique().numel() >= 8
 
