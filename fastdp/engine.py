@@ -30,7 +30,7 @@ from torch import nn
 
 from fastdp import ops
 from fastdp.layers import Record, Tap, UnsupportedModuleError, rule_for
-from fastdp.layers.base import rounded_to_16_bits, sq_norms_of, weighted_sum
+from fastdp.layers.base import sq_norms_of, weighted_sum
 from fastdp.ops import compute_dtype
 from fastdp.validate import validate
 
@@ -86,7 +86,6 @@ class GradSampleEngine:
         # the forward calls (their Taps, by id) this pass / the passes since the last step went through
         self._pass_taps: Dict[int, Tap] = {}
         self._step_taps: Dict[int, Tap] = {}
-        self._pass_checked_values = False
         # the tensors this backward pass's layer inputs are views of, by id (weak references): with
         # the inputs themselves, what finds the data batch the pass came from (attach_loader)
         self._pass_bases: Dict[int, weakref.ref] = {}
@@ -163,25 +162,21 @@ class GradSampleEngine:
         self._patched = []
         self._drop_pass()
 
-    def _record(self, rec: Record, grad_output: Optional[torch.Tensor] = None) -> None:
+    def _record(self, rec: Record, rounded_grads: bool = False) -> None:
         """Take a hooked layer's record. One whose parameters this pass does not accumulate
         (``backward(inputs=...)`` naming others) only marks its input as seen: a later pass through
         the same forward, accumulating those parameters, would clip the same samples again.
-        ``grad_output``: the output gradient as it came (before widening), for the 16-bit check."""
+        ``rounded_grads``: its forward ran under a 16-bit autocast, or its output gradient is 16-bit."""
+        if rounded_grads and rec.params and self.loss_reduction == "mean":
+            raise UnsupportedModuleError(
+                f"{self._module_name(rec.module)} ran under autocast or got a 16-bit output gradient with "
+                "loss_reduction='mean': each sample's gradient arrives as g_i / B rounded to 16 bits, and "
+                "fastdp's rescaling by B then moves every other sample's share when one sample joins the "
+                "batch (sensitivity above C, up to 1.8 C measured); use loss_reduction='sum' with a summed loss "
+                "(the noisy sum is still divided by the expected batch size: the step is unchanged)")
         task = torch._C._current_graph_task_id()
         if task != self._queued_task:  # the first record of this backward pass
             self._start_pass(task)
-        if (grad_output is not None and rec.params and self.loss_reduction == "mean"
-                and (grad_output.dtype in (torch.float16, torch.bfloat16) or not self._pass_checked_values)
-                and rounded_to_16_bits(grad_output)):
-            raise UnsupportedModuleError(
-                f"{self._module_name(rec.module)} got its output gradient rounded to 16 bits (autocast, or a half "
-                "model) with loss_reduction='mean': each sample's gradient arrives as g_i / B rounded to 16 bits, "
-                "and fastdp's rescaling by B then moves every other sample's share when one sample joins the "
-                "batch (sensitivity above C, up to 1.8 C measured); use loss_reduction='sum' with a summed loss "
-                "(the noisy sum is still divided by the expected batch size: the step is unchanged)")
-        if grad_output is not None and rec.params:  # the values of one output gradient a pass (the layer
-            self._pass_checked_values = True      # nearest the loss, which a 16-bit op after the model rounds too)
         if rec.tap is not None:  # the same forward call in two passes: its samples twice
             self._pass_taps[id(rec.tap)] = rec.tap
         x = rec.tap.source[0]() if rec.tap is not None and rec.tap.source is not None else None  # its input
@@ -209,7 +204,6 @@ class GradSampleEngine:
     def _drop_pass(self) -> None:
         self._pending, self._pass_inputs, self._pass_bases, self._pass_rows = [], {}, {}, {}
         self._pass_taps = {}
-        self._pass_checked_values = False  # a float32 output gradient's values were checked (16-bit rounding)
         self._queued_task = None
 
     def _check_rows(self, module: nn.Module, x: torch.Tensor) -> None:

@@ -598,9 +598,7 @@ def test_the_same_samples_twice_are_refused_where_norm_layers_are_the_ones_to_te
         model = nn.Sequential(first, layer, nn.Linear(4, 2))
         first.requires_grad_(False)
         model[2].requires_grad_(False)
-    # a sum loss: through a norm layer, a scale-invariant loss's gradient is rounding noise, whose few
-    # significant bits a mean loss would refuse as rounded to 16 bits
-    make(model, loss_reduction="sum")
+    make(model)
     loss = model(x).square().sum()
     with pytest.raises(fastdp.UnsupportedModuleError, match="backpropagated twice"):
         if case == "split passes":

@@ -82,7 +82,7 @@ class Tap:
     """Created per forward call with the trainable parameters it used (by name); the
     Function's backward calls :meth:`fire` with its ``ctx`` and what it saw."""
 
-    __slots__ = ("sink", "module", "rule", "params", "source")
+    __slots__ = ("sink", "module", "rule", "params", "source", "autocast")
 
     def __init__(self, sink: Callable[..., None], module: nn.Module, rule: "LayerRule",
                  params: Dict[str, torch.Tensor], source: Optional[torch.Tensor] = None):
@@ -90,6 +90,10 @@ class Tap:
         # the call's input itself (what a rule hands backward may be derived from it afresh, as the
         # norms' normalised input): what tells the same samples seen twice
         self.source = None if source is None else (weakref.ref(source), source._version)
+        # the call ran under a 16-bit autocast (which leaves float64 alone): its output gradient may hold
+        # 16-bit-rounded values even where it arrives in float32 (an embedding or norm feeding a matmul)
+        self.autocast = (source is not None and source.dtype != torch.float64
+                         and torch.is_autocast_enabled(source.device.type))
 
     def fire(self, ctx, activation: Any, grad_output: torch.Tensor) -> None:
         """Hand over what backward saw, for the parameters whose gradients this backward pass
@@ -107,7 +111,8 @@ class Tap:
             self.sink(Record(self.module, self.rule, params, activation, None, grad_output.shape[0], self))
             return
         self.sink(Record(self.module, self.rule, params, _widen(activation), _widen(grad_output),
-                         grad_output.shape[0], self), grad_output)
+                         grad_output.shape[0], self),
+                  self.autocast or grad_output.dtype in (torch.float16, torch.bfloat16))
 
 
 def _accumulated(ctx, params: Dict[str, torch.Tensor], rule: "LayerRule") -> Dict[str, torch.Tensor]:
@@ -129,25 +134,6 @@ def _accumulated(ctx, params: Dict[str, torch.Tensor], rule: "LayerRule") -> Dic
         if runs:
             kept[name] = p
     return params if len(kept) == len(params) else kept
-
-
-def rounded_to_16_bits(g: torch.Tensor) -> bool:
-    """Whether the output gradient ``g`` came through a 16-bit op: float16/bfloat16, or float32 whose
-    first 512 values all survive a round trip through bfloat16 or float16 and hold at least 8
-    distinct nonzero magnitudes (an embedding or norm layer whose output fed an autocast matmul; a
-    genuine float32 gradient keeps low mantissa bits). A sample, not the whole tensor: this runs on
-    every hooked layer's backward under a mean loss."""
-    if g.dtype in (torch.float16, torch.bfloat16):
-        return True
-    if g.dtype != torch.float32 or g.numel() == 0:
-        return False
-    head = g.reshape(-1)[:512]
-    if bool((head.view(torch.int32) & 0x1FFF).any()):  # low mantissa bits that neither 16-bit type holds:
-        return False  # the usual case, in two operations
-    if not any(torch.equal(head.to(half).float(), head) for half in (torch.bfloat16, torch.float16)):
-        return False
-    # and varied: a few magnitudes are a loss's own (a sum's ones, an L1 or hinge loss's +-1/B with B a power of 2)
-    return head[head != 0].abs().unique().numel() >= 8
 
 
 def _widen(x: Any) -> Any:
