@@ -156,12 +156,12 @@ class DistributedDPOptimizer(DPOptimizer):
         """Refuse a step (on every rank, before it is counted) where the ranks clip or divide differently:
         rank 0's noise covers rank 0's sensitivity only, and replicas dividing by different sizes drift apart.
         One small MAX all-reduce of each setting and its negation (so both the largest and smallest arrive).
-        First, on this rank alone: a step that failed midway here left the ranks' collectives out of step."""
-        if self._unfinished is not None:
+        First, on this rank alone: a retry of a step that failed midway, which may find the ranks out of step."""
+        if self._unfinished is not None and self._unfinished[0] == self._retry_key():
             raise RuntimeError(
-                "a step failed midway on this rank (after its count or during its noise) while the other ranks "
-                "went on into their collectives: a data-parallel step cannot be retried; restart the ranks from a "
-                "checkpoint")
+                "a step that failed midway cannot be retried in a data-parallel run (a rank that failed alone left "
+                "the others in their collectives): give it up with zero_grad() on every rank, or restart the ranks "
+                "from a checkpoint")
         clipping = self.clipping
         bounds = list(clipping.bounds.values()) if hasattr(clipping, "bounds") else [clipping.max_grad_norm]
         rest = repr((type(clipping).__name__, bounds, getattr(clipping, "gamma", None),

@@ -513,6 +513,7 @@ class DPOptimizer(torch.optim.Optimizer):
         # between backward() and step()): stepped with the reloaded loader's batch, its samples would count twice
         self.engine.clear()
         self._skip_next_step = self._logical_batch_open = False
+        self._unfinished = None  # a step that failed before the load is not resumed after it
 
 
 _SMALLEST_FLOAT_MAX = float(torch.finfo(torch.float16).max)  # the smallest of the dtypes parameters train in

@@ -23,6 +23,8 @@ _OPACUS_ONLY = {
                    "to put the batch first",
     "noise_generator": "pass seed= (or secure_mode=True) instead of a generator",
     "total_steps": "give epochs= with target_epsilon (steps = epochs x round(1 / q))",
+    "wrap_model": "fastdp hooks the module in place and returns it (no wrapper); remove it",
+    "rand_on_empty": "fastdp's Poisson loader hands an empty batch out as tensors of 0 samples; remove it",
 }
 _OPACUS_AS_FASTDP = {"batch_first": lambda value: bool(value), "noise_generator": lambda value: value is None}
 

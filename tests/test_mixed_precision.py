@@ -108,14 +108,16 @@ def test_float32_losses_whose_gradients_are_few_dyadic_values_are_not_refused(lo
 
 def test_autocast_without_16_bit_rounding_is_not_refused():
     """A float64 model under CPU autocast (which leaves float64 alone) was refused for the autocast
-    state alone (regression review)."""
-    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)).double()
-    opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), module=model, noise_multiplier=0.0,
-                             max_grad_norm=1.0, expected_batch_size=100)
-    with torch.autocast(**AUTOCAST):
-        loss = model(torch.randn(64, 8, dtype=torch.float64)).square().mean()
-    loss.backward()
-    opt.step()
+    state alone, also where its first layer is an Embedding, whose input is integer ids (reviews)."""
+    for first, x in ((nn.Linear(8, 8), torch.randn(64, 8)), (nn.Embedding(5, 8), torch.randint(0, 5, (64,)))):
+        model = nn.Sequential(first, nn.Tanh(), nn.Linear(8, 2)).double()
+        opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), module=model, noise_multiplier=0.0,
+                                 max_grad_norm=1.0, expected_batch_size=100)
+        with torch.autocast(**AUTOCAST):
+            loss = model(x.double() if x.is_floating_point() else x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.detach()
 
 
 def test_a_summed_loss_under_autocast_keeps_the_sensitivity():

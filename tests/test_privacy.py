@@ -401,6 +401,9 @@ def test_a_step_resumed_after_its_count_refuses_another_noise_multiplier():
     opt.noise_multiplier = 1.0
     opt.step()
     assert opt.steps == 1 and opt.accountant.steps == 0  # resumed: released, not counted again
+    opt._unfinished = (opt._retry_key(), "counted", 1.0)
+    opt.load_state_dict(opt.state_dict())  # a load (on every rank, in data-parallel runs) resumes nothing
+    assert opt._unfinished is None
 
 
 def test_an_empty_batch_after_a_failed_step_is_a_new_step():
@@ -806,6 +809,8 @@ def test_opacus_ports_get_errors_that_name_the_fix():
         fastdp.make_private(data_loader=sampled, **kwargs)
     with pytest.raises(TypeError, match="batch_first=False: .* put the batch first"):  # numpy's True passes
         fastdp.make_private(data_loader=loader, batch_first=False, **kwargs)
+    with pytest.raises(TypeError, match="wrap_model=True: fastdp hooks the module in place"):
+        fastdp.make_private(data_loader=loader, wrap_model=True, **kwargs)
     with pytest.raises(TypeError, match="criterion=1: fastdp needs no wrapped loss"):
         fastdp.make_private(data_loader=loader, batch_first=__import__("numpy").True_, criterion=1, **kwargs)
     with pytest.raises(TypeError, match="batch_first=False: .* put the batch first"):
