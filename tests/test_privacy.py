@@ -392,6 +392,7 @@ def test_a_step_resumed_after_its_count_refuses_another_noise_multiplier():
     """A step interrupted between its count (at sigma = 1) and its release was resumed at the sigma set
     since (0: no noise), which the accountant never recorded (regression review)."""
     model, opt, loader = _private()
+    saved = opt.state_dict()
     x, y = next(iter(loader))
     nn.functional.cross_entropy(model(x), y).backward()
     opt._unfinished = (opt._retry_key(), "counted", 1.0)  # where an interrupt right after the count leaves it
@@ -402,7 +403,7 @@ def test_a_step_resumed_after_its_count_refuses_another_noise_multiplier():
     opt.step()
     assert opt.steps == 1 and opt.accountant.steps == 0  # resumed: released, not counted again
     opt._unfinished = (opt._retry_key(), "counted", 1.0)
-    opt.load_state_dict(opt.state_dict())  # a load (on every rank, in data-parallel runs) resumes nothing
+    opt.load_state_dict(saved)  # a load (on every rank, in data-parallel runs) resumes nothing
     assert opt._unfinished is None
 
 
