@@ -843,3 +843,15 @@ def test_a_float64_sample_whose_gram_terms_cancel_is_clipped(kind, monkeypatch):
                              max_grad_norm=bound, expected_batch_size=1.0, loss_reduction="sum")
     (layer(x) * w).sum().backward()
     assert opt.engine.summed[layer.weight].norm() <= bound * (1 + 1e-9)
+
+
+def test_the_rounding_allowance_takes_tf32_inputs_rounding():
+    """TF32 contractions (CUDA, allowed by default for cuDNN convolutions) round float32 inputs to 10
+    mantissa bits: an allowance for float32's 2^-24 would not cover a cancelling sample there."""
+    from fastdp.layers.base import with_rounding_allowance
+    sq, slack = torch.zeros(1, dtype=torch.float64), torch.ones(1, dtype=torch.float64)
+    ieee = with_rounding_allowance(sq, slack, 16, torch.float32).sqrt()
+    tf32 = with_rounding_allowance(sq, slack, 16, torch.float32, tf32=True).sqrt()
+    assert float(ieee) == pytest.approx(2 * (16 + 2) * 2.0 ** -24)
+    assert float(tf32) == pytest.approx(2 * (16 * 2.0 ** -24 + 2 * 2.0 ** -11))
+    assert float(with_rounding_allowance(sq, slack, 16, torch.float64, tf32=True).sqrt()) < 1e-14

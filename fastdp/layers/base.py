@@ -215,7 +215,7 @@ def sq_norms_of(per_sample: torch.Tensor) -> torch.Tensor:
 
 
 def with_rounding_allowance(sq_norms: torch.Tensor, slack: torch.Tensor, seq: int,
-                            dtype: torch.dtype) -> torch.Tensor:
+                            dtype: torch.dtype, tf32: bool = False) -> torch.Tensor:
     """Squared norms (float64 (B,)) widened by what rounding can add to a sample's share of a
     clipped sum formed as one contraction over its ``seq`` positions in ``dtype`` (a GEMM on
     coefficient-scaled rows): ``(|G_i| + gamma S_i)^2`` with ``S_i = sum_t |a_t| |g_t|``
@@ -225,9 +225,11 @@ def with_rounding_allowance(sq_norms: torch.Tensor, slack: torch.Tensor, seq: in
     from terms ~1e12) was released as its rounding error, unclipped. The sum's error from the
     sample's own terms is at most ``(seq u_acc + 2 u) S_i``, and so is the norm's (computed in
     its own order): ``c_i`` from the widened norm bounds the share by C. A sample whose terms do
-    not cancel has ``S_i`` about ``sqrt(T) |G_i|``: its norm grows by about ``2 T^1.5 u``."""
+    not cancel has ``S_i`` about ``sqrt(T) |G_i|``: its norm grows by about ``2 T^1.5 u``. ``tf32``:
+    the contraction runs in TF32 (CUDA), float32 inputs rounded to 10 mantissa bits: u = 2^-11 there."""
     u = torch.finfo(dtype).eps / 2
-    gamma = 2 * (seq * min(u, 2.0 ** -24) + 2 * u)
+    u_in = 2.0 ** -11 if tf32 and dtype == torch.float32 else u
+    gamma = 2 * (seq * min(u, 2.0 ** -24) + 2 * u_in)
     return (sq_norms.clamp(min=0).sqrt_() + gamma * slack).square_()  # a Gram sum can round below 0
 
 

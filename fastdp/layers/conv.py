@@ -384,7 +384,8 @@ class ConvRule(LayerRule):
         """:func:`with_rounding_allowance` for the weight's clipped-sum convolution."""
         _, spec, weight = self._shapes(rec)
         g = rec.grad_output
-        return with_rounding_allowance(sq_norms, self._slack(rec), self._linear_dims(g, spec, weight)[0], g.dtype)
+        return with_rounding_allowance(sq_norms, self._slack(rec), self._linear_dims(g, spec, weight)[0], g.dtype,
+                                       g.is_cuda and torch.backends.cudnn.allow_tf32)
 
     def per_sample_grads(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
         x, spec, weight = self._shapes(rec)

@@ -117,7 +117,8 @@ class LinearRule(LayerRule):
                 sq = sq_norms_3d(a, g)
                 if ghost_is_cheaper(seq, d, p):  # the route sq_norms_3d took
                     sq = with_gram_allowance(sq, slack, d + p + 2 * seq * seq)
-                out[name] = with_rounding_allowance(sq, slack, seq, torch.promote_types(a.dtype, g.dtype))
+                out[name] = with_rounding_allowance(sq, slack, seq, torch.promote_types(a.dtype, g.dtype),
+                                                    a.is_cuda and torch.backends.cuda.matmul.allow_tf32)
             else:  # the bias's per-sample gradients are small: sum over T once
                 out[name] = sq_norms_of(self.cached_grads(rec, [name])[name])
         return out
