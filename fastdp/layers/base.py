@@ -92,9 +92,9 @@ class Tap:
         self.source = None if source is None else (weakref.ref(source), source._version)
         # the call ran under a 16-bit autocast (which leaves float64 alone): its output gradient may hold
         # 16-bit-rounded values even where it arrives in float32 (an embedding or norm feeding a matmul)
-        wide = (source.dtype == torch.float64 if source is not None and source.is_floating_point()
-                else all(p.dtype == torch.float64 for p in params.values()))  # ids: the weights' dtype
-        self.autocast = source is not None and not wide and torch.is_autocast_enabled(source.device.type)
+        self.autocast = source is not None and torch.is_autocast_enabled(source.device.type) and not (
+            source.dtype == torch.float64 if source.is_floating_point()
+            else all(p.dtype == torch.float64 for p in params.values()))  # ids: the weights' dtype
 
     def fire(self, ctx, activation: Any, grad_output: torch.Tensor) -> None:
         """Hand over what backward saw, for the parameters whose gradients this backward pass
