@@ -413,8 +413,9 @@ def noisy_average(
     narrow = [i for i in range(len(sums)) if i not in set(wide)]
     out: List[Optional[torch.Tensor]] = [None] * len(sums)
     for indices, draw in ((narrow, run), (wide, noisy_average_ref)):
-        for i, t in zip(indices, draw([sums[i] for i in indices], std, divisor, seed, inplace=inplace)):
-            out[i] = t
+        if indices:  # a kernel may check its float32 scalars even for no tensor
+            for i, t in zip(indices, draw([sums[i] for i in indices], std, divisor, seed, inplace=inplace)):
+                out[i] = t
     return out
 
 
