@@ -36,7 +36,7 @@ from fastdp.validate import validate
 
 LOSS_REDUCTIONS = ("mean", "sum")
 NONFINITE_POLICIES = ("raise", "skip")
-_FLOAT32_TINY = float(torch.finfo(torch.float32).tiny)
+_FLOAT32_TINY = ops.FLOAT32_NORMAL_RANGE[0]
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -177,9 +177,8 @@ class GradSampleEngine:
         task = torch._C._current_graph_task_id()
         if task != self._queued_task:  # the first record of this backward pass
             self._start_pass(task)
-        if rec.tap is not None:  # the same forward call in two passes: its samples twice
-            self._pass_taps[id(rec.tap)] = rec.tap
-        x = rec.tap.source[0]() if rec.tap is not None and rec.tap.source is not None else None  # its input
+        self._pass_taps[id(rec.tap)] = rec.tap  # the same forward call in two passes: its samples twice
+        x = rec.tap.source[0]() if rec.tap.source is not None else None  # the call's input, if alive
         if x is None:
             x = rec.activation[0] if isinstance(rec.activation, tuple) else rec.activation
         if isinstance(x, torch.Tensor):

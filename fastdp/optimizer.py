@@ -305,7 +305,7 @@ class DPOptimizer(torch.optim.Optimizer):
     def privatise_grads(self) -> None:
         """Write ``(sum of clipped grads + N(0, (sigma C)^2)) / expected_batch_size`` into ``.grad``
         of every private parameter that still requires grad (frozen since: ``.grad = None``)."""
-        sums = self.engine.sums()  # kept until released: a step that fails while noising them can be retried
+        sums = self.engine.sums()  # kept until released (a failure while noising them drops them: _dp_step)
         params = self.engine.params
         if not all(p.requires_grad for p in params):
             for p in params:
@@ -517,7 +517,7 @@ class DPOptimizer(torch.optim.Optimizer):
 
 
 _SMALLEST_FLOAT_MAX = float(torch.finfo(torch.float16).max)  # the smallest of the dtypes parameters train in
-_FLOAT32_TINY, _FLOAT32_MAX = float(torch.finfo(torch.float32).tiny), float(torch.finfo(torch.float32).max)
+_FLOAT32_TINY, _FLOAT32_MAX = ops.FLOAT32_NORMAL_RANGE
 
 
 def _noise_std(sigma: float, clipping) -> float:

@@ -39,8 +39,7 @@ class Record:
     __slots__ = ("module", "rule", "params", "activation", "grad_output", "batch_size", "cache", "norms", "tap")
 
     def __init__(self, module: nn.Module, rule: "LayerRule", params: Dict[str, torch.Tensor],
-                 activation: Any, grad_output: Optional[torch.Tensor], batch_size: int = 0,
-                 tap: Optional["Tap"] = None):
+                 activation: Any, grad_output: Optional[torch.Tensor], batch_size: int, tap: "Tap"):
         self.module, self.rule = module, rule
         self.params = params  # the trainable parameters this call used, by name
         self.activation, self.grad_output, self.batch_size = activation, grad_output, batch_size
