@@ -42,6 +42,7 @@ def uniform_subset(rng: np.random.Generator, population: int, size: int) -> List
 
 
 def check_sample_rate(sample_rate: float) -> float:
+    """A rate batches are drawn at, in (0, 1]; the accountants also take 0 (nothing released)."""
     rate = float(sample_rate)
     if not 0 < rate <= 1:  # also rejects NaN
         raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")

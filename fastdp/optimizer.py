@@ -32,6 +32,7 @@ from torch import nn
 from fastdp import ops, secure
 from fastdp.arguments import finite_number
 from fastdp.clipping import make_clipping
+from fastdp.data import check_sample_rate
 from fastdp.engine import GradSampleEngine
 from fastdp.layers import UnsupportedModuleError
 
@@ -213,8 +214,7 @@ class DPOptimizer(torch.optim.Optimizer):
         sample_rate=)``) at this optimizer's sigma and ``sample_rate``, before the step's noisy
         gradients are released: a step is counted even if it fails afterwards, never released
         uncounted."""
-        from fastdp.accounting.base import check_sample_rate  # not at import: the package loads SciPy
-        rate = check_sample_rate(sample_rate)
+        rate = check_sample_rate(sample_rate)  # in (0, 1]: at 0 the accountant would report epsilon = 0
         drawn = self._loader_rate()
         if drawn is not None and not math.isclose(rate, drawn, rel_tol=1e-12):
             raise ValueError(

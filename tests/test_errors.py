@@ -756,3 +756,15 @@ def test_nan_output_gradients_at_padding_positions_are_dropped_as_torch_drops_th
         assert opt.skipped_samples == 0 and torch.isfinite(weight.grad).all()
         if not tied:
             torch.testing.assert_close(weight.grad * 4, plain.weight.grad)
+
+
+@pytest.mark.parametrize("rate", [0.0, -0.1, 1.5, float("nan")])
+def test_attach_accountant_refuses_a_sample_rate_batches_cannot_be_drawn_at(rate):
+    """At q = 0 the accountant recorded the steps at no cost: epsilon read 0 after real steps
+    (maintainability review). A rate the optimizer takes is in (0, 1], as the loader's."""
+    model = nn.Linear(3, 2)
+    opt = make(model, max_grad_norm=1.0, noise_multiplier=1.0)
+    accountant = fastdp.accounting.make_accountant("rdp")
+    with pytest.raises(ValueError, match=r"sample_rate must be in \(0, 1\]"):
+        opt.attach_accountant(accountant, rate)
+    assert opt.accountant is None
