@@ -65,8 +65,9 @@ def _launch(sums: Sequence[torch.Tensor], std: float, divisor: float, seed: int,
         table = torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
         blocks = 8 * torch.cuda.get_device_properties(device).multi_processor_count
         stream = torch.cuda.current_stream(device).cuda_stream
-        err = _LIB.fastdp_noisy_average(table.data_ptr(), len(members), first, blocks, dtype == torch.float64,
-                                        seed & (2**64 - 1), float(std), float(divisor), stream)
+        with torch.cuda.device(device):  # a launch goes to the current device, which must own the stream
+            err = _LIB.fastdp_noisy_average(table.data_ptr(), len(members), first, blocks, dtype == torch.float64,
+                                            seed & (2**64 - 1), float(std), float(divisor), stream)
         if err:
             raise RuntimeError(f"fastdp CUDA noise kernel failed to launch (cudaError {err})")
     return ops.in_input_dtypes(outs, sums)

@@ -31,7 +31,7 @@ if getattr(_C, "BINDINGS", None) != BINDINGS or _MISSING:
 # d, p from 16 to 784): 0.7-1.2x at T = 8, 1.6-2.0x at T = 16.
 GHOST_MIN_SEQ = 16
 
-_FLOAT32_MAX = torch.finfo(torch.float32).max
+_FLOAT32_MAX = ops.FLOAT32_NORMAL_RANGE[1]
 
 
 @ops.register("noisy_average", "native", "cpu")

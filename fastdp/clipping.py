@@ -13,7 +13,7 @@ give one tensor shared by all parameters, also directly from the total (``coeffi
 from __future__ import annotations
 
 import math
-from typing import Dict, Mapping, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -34,11 +34,6 @@ class FlatClipping:
     def sensitivity(self) -> float:
         return self.max_grad_norm
 
-    def coefficients(self, sq_norms: Mapping[object, torch.Tensor], scale: float = 1.0,
-                     total_sq: Optional[torch.Tensor] = None) -> Dict[object, torch.Tensor]:
-        coef = self.coefficient(_total(sq_norms, total_sq), scale)
-        return {p: coef for p in sq_norms}
-
     def coefficient(self, total_sq: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         """The one coefficient (B,) that every parameter shares, from the per-sample total."""
         return ops.clip_factors(total_sq, self.max_grad_norm, scale, EPS, True)
@@ -53,10 +48,6 @@ class AutomaticClipping(FlatClipping):
 
     def coefficient(self, total_sq: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         return ops.clip_factors(total_sq, self.max_grad_norm, scale, self.gamma, False)
-
-
-def _total(sq_norms: Mapping[object, torch.Tensor], total_sq: Optional[torch.Tensor]) -> torch.Tensor:
-    return torch.stack(list(sq_norms.values())).sum(0) if total_sq is None else total_sq
 
 
 class PerLayerClipping:

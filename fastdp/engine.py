@@ -2,11 +2,12 @@
 
 Each supported layer's ``forward`` is replaced (on the instance) by its rule's hooked
 forward. During ``loss.backward()`` the hooked layers hand their activations and output
-gradients to the engine and autograd computes no weight gradients. When the whole
-backward pass has finished, an autograd callback
+gradients to the engine (whose rule may find some norms then, see ``LayerRule.prepare``)
+and autograd computes no weight gradients. When the whole backward pass has finished, an
+autograd callback
 
-1. computes every trainable parameter's per-sample squared norms (ghost or direct,
-   per layer and per batch),
+1. computes every trainable parameter's per-sample squared norms not found yet (ghost or
+   direct, per layer and per batch),
 2. turns them into clipping coefficients with the clipping policy,
 3. adds ``sum_i c_i * grad_i`` to the parameter's clipped-sum buffer.
 
@@ -92,9 +93,9 @@ class GradSampleEngine:
         # rows of its base each (layer, base tensor) saw in this pass: (first, step, count)
         self._pass_rows: Dict[tuple, tuple] = {}
         self._owned_grads: Dict[torch.Tensor, tuple] = {}
-        # which data batches each backward pass since the last step came from, given its sources
         self.ledger = None  # the attached Poisson loader's BatchLedger (fastdp.data), if any
         self._warned_rows = False
+        # which data batches each backward pass since the last step came from, given its sources
         self.pass_batches: set = set()
         self._patched: List[nn.Module] = []
         self.adopt_current_grads()

@@ -16,10 +16,9 @@ Backend choice, per call, by the tensor's device:
 Conventions shared by all implementations:
 
 * ``a``: activations ``(B, T, d)``; ``g``: output gradients ``(B, T, p)``.
-* Squared norms are returned as float64 tensors of shape ``(B,)``. Float32 inputs are
-  summed in float32 first: PyTorch's CPU reductions sum in cascaded blocks, which keeps
-  ~1e-7 relative error even over 16M-element per-sample gradients, at a tenth of the cost
-  of widening every element to float64 (``.norm()`` does NOT do this: never use it here).
+* Squared norms are returned as float64 tensors of shape ``(B,)``, each square formed and
+  summed in float64 (a float32 square overflows past 1.8e19, and a float32 sum of them
+  would turn a finite sample's norm into Inf): never sum squares in float32 here.
 """
 from __future__ import annotations
 
@@ -96,8 +95,10 @@ def _warn_unavailable(backend: str) -> None:
     if backend in _WARNED or backend not in _LOAD_ERRORS:
         return
     _WARNED.add(backend)
-    warnings.warn(f"fastdp: the {backend} kernels are unavailable ({'; '.join(_LOAD_ERRORS[backend])}); "
-                  "using the PyTorch references (correct, slower)", RuntimeWarning, stacklevel=4)
+    # by module: the native backend's CPU kernels still run where only its CUDA library is missing
+    warnings.warn(f"fastdp: {backend} kernels are unavailable from {'; '.join(_LOAD_ERRORS[backend])}; the "
+                  "operations those modules implement use the PyTorch references (correct, slower)",
+                  RuntimeWarning, stacklevel=4)
 
 
 def implementation(op: str, device: torch.device) -> Tuple[str, Callable]:

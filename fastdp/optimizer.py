@@ -115,7 +115,6 @@ class DPOptimizer(torch.optim.Optimizer):
             except TypeError:
                 raise TypeError(f"seed must be an integer, got {seed!r}") from None
         self._noise_key = (seed if seed is not None else int.from_bytes(os.urandom(8), "little")) & _MASK64
-        self._noise_draws = 0  # seeds handed out so far: the next one is a function of (key, draws)
         self.secure_mode = bool(secure_mode)
         self.steps = 0
         self._skip_next_step = False  # set by BatchMemoryManager for non-final chunks
@@ -131,7 +130,7 @@ class DPOptimizer(torch.optim.Optimizer):
         # detach()) continues the stream instead of releasing the earlier steps' noise again. Kept in this
         # process only (not on the module, which is pickled and copied), under a digest of the secret key
         self._draws_by_key = _NOISE_DRAWS.setdefault(module, {})
-        self._noise_draws = self._draws_by_key.get(self._key_digest(), 0)
+        self._noise_draws = self._draws_by_key.get(self._key_digest(), 0)  # seeds handed out: the next is f(key, draws)
 
     # -- what torch.optim.Optimizer users and LR schedulers read --------------------------
     @property
@@ -264,7 +263,9 @@ class DPOptimizer(torch.optim.Optimizer):
         self.loader = loader
         self.engine.ledger = ledger
 
-    def _check_one_batch_per_step(self) -> None:
+    def _close_loader_step(self) -> None:
+        """Close the step in the attached loader's ledger, which raises where the step took other than
+        one new batch; closed either way (the next step starts from here)."""
         if self.loader is not None:
             self.loader.ledger.close_step(self.engine.pass_batches)
 
@@ -366,7 +367,7 @@ class DPOptimizer(torch.optim.Optimizer):
         key = self._retry_key()
         done = self._unfinished[1] if self._unfinished and self._unfinished[0] == key else None
         if done is None:
-            self._check_one_batch_per_step()
+            self._close_loader_step()
             self._unfinished = (key, "closed")
         if done in (None, "closed"):
             self._account_step()

@@ -16,7 +16,10 @@ Kept out of the default, selected by ``FASTDP_BACKEND=triton``:
 Under ``TRITON_INTERPRET=1`` all are also registered for ``"cpu"`` tensors (forced only), so
 the test suite can run them.
 """
+import functools
 import os
+
+import torch
 
 from fastdp import ops
 from kernels.embedding_norms import embedding_sq_norms_triton
@@ -36,6 +39,19 @@ _KERNELS = {  # op: (kernel, in the default choice on CUDA)
     "noisy_average": (_noisy_average, False),
 }
 
+
+
+def _on_operands_gpu(fn):
+    """``fn`` run with its first tensor's GPU as the current device: Triton launches on the current
+    device and its stream, not the tensors' (a model on cuda:1 in a thread whose device is 0)."""
+    @functools.wraps(fn)
+    def run(first, *args, **kwargs):
+        with torch.cuda.device((first[0] if isinstance(first, (list, tuple)) else first).device):
+            return fn(first, *args, **kwargs)
+    return run
+
+
 for _device in ("cuda", "cpu") if os.environ.get("TRITON_INTERPRET") == "1" else ("cuda",):
     for _op, (_fn, _auto) in _KERNELS.items():
-        ops.register(_op, "triton", _device, auto=_auto and _device == "cuda")(_fn)
+        ops.register(_op, "triton", _device, auto=_auto and _device == "cuda")(
+            _on_operands_gpu(_fn) if _device == "cuda" else _fn)

@@ -510,8 +510,8 @@ def test_missing_backend_warns_once(monkeypatch, forced):
         warnings.simplefilter("always")
         out = ops.linear_sq_norms_ghost(a, g)
         ops.noisy_average([a], 1.0, 1.0, 0)
-    assert len(caught) == 1 and "native kernels are unavailable" in str(caught[0].message)
-    assert "fastdp._no_such_ext" in str(caught[0].message)
+    assert len(caught) == 1 and "native kernels are unavailable from fastdp._no_such_ext" in str(caught[0].message)
+    assert "the operations those modules implement use the PyTorch references" in str(caught[0].message)
     torch.testing.assert_close(out, ops.linear_sq_norms_ghost_ref(a, g))
 
 
@@ -574,3 +574,31 @@ def test_cuda_dispatch_and_forced_backends(monkeypatch):
     monkeypatch.setenv("FASTDP_BACKEND", "triton")
     for op in ("noisy_average", "linear_sq_norms_ghost", "linear_sq_norms_direct", "embedding_sq_norms"):
         assert ops.implementation(op, torch.device("cuda"))[0] == "triton"
+
+
+def test_triton_kernels_launch_with_their_tensors_gpu_current(monkeypatch):
+    """Triton launches on the current device and its stream: a model on cuda:1 in a thread whose
+    current device is 0 ran its kernels against the wrong GPU (kernel review, by reading). Every
+    CUDA registration enters its first tensor's device; checked here with a recording stand-in."""
+    pytest.importorskip("triton")
+    dispatch = importlib.import_module("kernels.dispatch")
+    entered = []
+
+    class Recorder:
+        def __init__(self, device):
+            entered.append(device)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "device", Recorder)
+    on_gpu1 = type("OnGpu1", (), {"device": torch.device("cuda", 1)})()
+    run = dispatch._on_operands_gpu(lambda first, *args: len(entered))
+    assert run([on_gpu1], 1.0) == 1 and run(on_gpu1, None) == 2
+    assert entered == [torch.device("cuda", 1)] * 2
+    for op, (kernel, _) in dispatch._KERNELS.items():
+        registered = ops._REGISTRY[op][("triton", "cuda")]
+        assert registered.__wrapped__ is kernel, op

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import sys
-from typing import Callable, Dict, Iterable, List, Tuple, Type
+from typing import Dict, Iterable, List, Tuple, Type
 
 HistoryEntry = Tuple[float, float, int]
 
@@ -137,10 +137,6 @@ class Accountant:
     def __len__(self) -> int:
         return self.steps
 
-    def reset(self) -> None:
-        """Forget all recorded steps."""
-        self._history = []
-
     # -- querying -------------------------------------------------------------
     def epsilon(self, delta: float) -> float:
         """Smallest epsilon (>= 0, possibly inf) this accountant certifies at ``delta``."""
@@ -201,6 +197,3 @@ def make_accountant(name: str = "pld", **kwargs) -> Accountant:
     if key not in _REGISTRY:
         raise ValueError(f"unknown accountant {name!r}; choose one of {available_accountants()}")
     return _REGISTRY[key](**kwargs)
-
-
-AccountantFactory = Callable[..., Accountant]

@@ -41,7 +41,6 @@ __all__ = [
     "OrderGridWarning",
     "log_a",
     "rdp_subsampled_gaussian",
-    "rdp_history",
     "rdp_to_epsilon",
 ]
 
@@ -156,14 +155,6 @@ def rdp_subsampled_gaussian(q: float, sigma: float, orders: Sequence[float] = DE
     alphas = [float(a) for a in orders]
     _check_orders(alphas)
     return np.array([log_a(q, sigma, a) / (a - 1.0) for a in alphas], dtype=np.float64)
-
-
-def rdp_history(history: Iterable[HistoryEntry], orders: Sequence[float] = DEFAULT_ORDERS) -> np.ndarray:
-    """RDP of a whole history of ``(sigma, q, steps)`` entries (RDP adds up over steps)."""
-    total = np.zeros(len(orders), dtype=np.float64)
-    for sigma, q, steps in history:
-        total = total + steps * rdp_subsampled_gaussian(q, sigma, orders)
-    return total
 
 
 def rdp_to_epsilon(

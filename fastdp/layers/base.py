@@ -4,9 +4,12 @@ A rule runs its module's forward through a custom autograd Function that saves w
 per-sample math needs (the *activation*) and, in backward, returns only the input
 gradient: autograd never computes the (unclipped) weight gradient. When the output
 gradient arrives, the Function hands ``(activation, grad_output)`` to the engine as a
-:class:`Record`; after the whole backward pass the engine asks each rule for
+:class:`Record`, and the engine calls the rule's ``prepare`` at once (during backward, while
+the tensors are in cache: some rules find their norms there). After the whole backward pass
+the engine asks each rule for
 
-* ``sq_norms``: per-sample squared gradient norms, float64, ``(B,)`` per parameter;
+* ``sq_norms``: per-sample squared gradient norms, float64, ``(B,)`` per parameter (those
+  ``prepare`` found, or computed now);
 * ``per_sample_grads``: instantiated per-sample gradients ``(B, *param.shape)``, used
   where one parameter gets several contributions (tied weights, a layer called twice);
 * ``clipped_sums``: ``sum_i coef_i * grad_i`` per parameter ("book-keeping").
@@ -194,7 +197,9 @@ class LayerRule:
         raise NotImplementedError
 
     def clipped_sums(self, rec: Record, coefs: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-        """``sum_i coefs[name]_i * grad_i`` for each name in ``coefs`` (coefs: float64 ``(B,)``)."""
+        """``sum_i coefs[name]_i * grad_i`` for each name in ``coefs``; ``coefs[name]``: ``(B,)`` in
+        ``compute_dtype`` of the parameter's dtype (float32 for float32 and half parameters),
+        already zero for dropped samples."""
         grads = self.cached_grads(rec, coefs.keys())
         return {n: weighted_sum(coefs[n], g) for n, g in grads.items()}
 

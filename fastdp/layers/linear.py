@@ -1,13 +1,14 @@
 """``nn.Linear`` on inputs ``(B, *, d)``: the middle dimensions are flattened into T.
 
 Per-sample weight gradient of sample i: ``g_i^T a_i`` (p x d), with ``a_i``: (T, d) and
-``g_i``: (T, p). Its squared norm comes from one of two routes, chosen per call by flops:
+``g_i``: (T, p). Its squared norm comes from one of two routes, chosen per call by cost:
 
 * ghost: ``sum_{s,t} (a_s . a_t)(g_s . g_t)``, ~T^2 (d + p) per sample;
 * direct: instantiate ``g_i^T a_i``, ~T d p per sample;
 
-so ghost when ``T (d + p) < d p``. T = 1 reduces to ``|a_i|^2 |g_i|^2``. The clipped sum
-is one GEMM on coefficient-scaled rows, the same cost as the gradient autograd skipped.
+plus the floats each moves through memory (:func:`route_costs`): ghost when
+``T^2 (d + p + 32) < d p (T + 16)``. T = 1 reduces to ``|a_i|^2 |g_i|^2``. The clipped
+sum is one GEMM on coefficient-scaled rows, the same cost as the gradient autograd skipped.
 """
 from __future__ import annotations
 
