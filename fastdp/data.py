@@ -357,16 +357,23 @@ def _loader_kwargs(data_loader: DataLoader) -> Dict[str, Any]:
     return kwargs
 
 
-def check_whole_dataset(data_loader: DataLoader) -> None:
-    """Refuse a loader whose sampler picks its own examples: Poisson batches are drawn from the
-    whole dataset, so that sampler's indices (a split, a shard) would be silently ignored."""
+def own_sampler(data_loader: DataLoader) -> Optional[str]:
+    """The type name of the loader's sampler where it picks its own examples (a split, a shard),
+    else None (sequential or shuffled over the whole dataset)."""
     picker, batches = data_loader.sampler, data_loader.batch_sampler
     if batches is not None:  # batch_sampler=...: the indices come from it
         picker = batches.sampler if type(batches) is BatchSampler else batches
-    if not isinstance(picker, (SequentialSampler, RandomSampler)):
+    return None if isinstance(picker, (SequentialSampler, RandomSampler)) else type(picker).__name__
+
+
+def check_whole_dataset(data_loader: DataLoader) -> None:
+    """Refuse a loader whose sampler picks its own examples: Poisson batches are drawn from the
+    whole dataset, so that sampler's indices (a split, a shard) would be silently ignored."""
+    picker = own_sampler(data_loader)
+    if picker is not None:
         raise ValueError(
             f"fastdp samples Poisson batches from the loader's whole dataset, so its "
-            f"{type(picker).__name__} would be ignored (its indices, and the sample rate they "
+            f"{picker} would be ignored (its indices, and the sample rate they "
             "imply); give a loader over the examples to train on (torch.utils.data.Subset for a split); for "
             "data-parallel runs give every rank the whole dataset, without a DistributedSampler, to "
             "fastdp.distributed_poisson_loader")

@@ -855,3 +855,16 @@ def test_the_rounding_allowance_takes_tf32_inputs_rounding():
     assert float(ieee) == pytest.approx(2 * (16 + 2) * 2.0 ** -24)
     assert float(tf32) == pytest.approx(2 * (16 * 2.0 ** -24 + 2 * 2.0 ** -11))
     assert float(with_rounding_allowance(sq, slack, 16, torch.float64, tf32=True).sqrt()) < 1e-14
+
+
+def test_make_private_without_poisson_sampling_refuses_a_sampler_over_part_of_the_dataset():
+    """The rate is batch_size / len(dataset): a SubsetRandomSampler over 100 of 1,000 examples made it
+    10x too low with poisson_sampling=False (checked only for Poisson sampling: maintainability review)."""
+    data = torch.utils.data.TensorDataset(torch.randn(1000, 3), torch.zeros(1000, dtype=torch.long))
+    loader = torch.utils.data.DataLoader(data, batch_size=10,
+                                         sampler=torch.utils.data.SubsetRandomSampler(range(100)))
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(ValueError, match="SubsetRandomSampler draws batches from part of its dataset"):
+        fastdp.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                            data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False)
+    assert "forward" not in model.__dict__  # nothing hooked
