@@ -335,3 +335,44 @@ def test_a_layer_whose_parametrised_weight_is_frozen_trains_its_bias_exactly(kin
     for layer in (conv, linear):
         layer.parametrizations.weight.requires_grad_(False)
     check_exact(nn.Sequential(conv, nn.Tanh(), nn.Flatten(), linear), [torch.randn(5, 3, 3)])
+
+
+@pytest.mark.parametrize("route", ["ghost", "direct", "timed"])
+@pytest.mark.parametrize("backend", ["reference", None])
+@pytest.mark.parametrize("make,shape,unread", [
+    (lambda: nn.Conv2d(16, 32, 1, stride=2), (3, 16, 8, 8), (1, 3, 5, 3)),  # a ResNet shortcut: odd rows unread
+    (lambda: nn.Conv1d(4, 6, 3, stride=3), (3, 4, 8), (1, 2, 7)),  # the tail past the last window
+    (lambda: nn.Conv1d(4, 6, 2, stride=3, dilation=3), (3, 4, 9), (1, 0, 1)),  # between a dilated kernel's taps
+    (lambda: nn.Conv3d(2, 3, 2, stride=3), (3, 2, 4, 4, 4), (1, 0, 2, 0, 0)),
+])
+def test_a_nan_in_an_input_element_no_output_reads_is_no_part_of_the_gradient(monkeypatch, use_backend, route,
+                                                                                   backend, make, shape, unread):
+    """The rounding allowance's slack took the norm of the sample's whole input, unread elements
+    included: a NaN there made the norm NaN, and a sample with a finite gradient was refused (or
+    dropped under "skip") on the routes that keep no per-sample gradients (non-finite review). The
+    step equals the one on the input with that element zeroed."""
+    import fastdp
+    import fastdp.layers.conv as conv
+
+    use_backend(backend)
+    if route != "timed":
+        monkeypatch.setattr(conv, "AUTOTUNE", False)
+        monkeypatch.setattr(conv, "route_costs", lambda t, d, p: (0, 1) if route == "ghost" else (1, 0))
+    torch.manual_seed(0)
+    layer = make().double()
+    x = torch.randn(shape, dtype=torch.float64)
+    x[unread] = float("nan")
+    clean = x.nan_to_num(0.0)
+    grads = []
+    for inputs in (x, clean):
+        model = nn.Sequential(layer, nn.Flatten())
+        opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), module=model, noise_multiplier=0.0,
+                                 max_grad_norm=0.5, expected_batch_size=3, loss_reduction="sum")
+        model(inputs).pow(2).sum().backward()
+        opt.step()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.detach()
+        model.zero_grad()
+    assert all(torch.isfinite(g).all() for g in grads[0])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

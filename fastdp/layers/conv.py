@@ -23,6 +23,7 @@ gradients (where they are small, or where timing found keeping them faster).
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
@@ -218,6 +219,26 @@ def _same_padding(module) -> Tuple[List[int], List[int]]:
     return left, [t - l for t, l in zip(total, left)]
 
 
+@functools.lru_cache(maxsize=64)
+def _read_mask(size: Tuple[int, ...], key: tuple, device: torch.device) -> Optional[torch.Tensor]:
+    """Boolean (*size) mask of the input elements some output of the convolution ``key``
+    (``ConvSpec.key()``) reads; None where it reads them all (stride <= kernel's reach, no tail)."""
+    nd = len(size)
+    stride, padding, dilation, kernel = key[:nd], key[nd:2 * nd], key[2 * nd:3 * nd], key[3 * nd + 1:]
+    per_dim = []
+    for n, s, p, d, k in zip(size, stride, padding, dilation, kernel):
+        taps = torch.arange(-p, n + p - d * (k - 1), s).unsqueeze(1) + d * torch.arange(k)  # (outputs, k)
+        read = torch.zeros(n, dtype=torch.bool)
+        read[taps[(taps >= 0) & (taps < n)]] = True
+        per_dim.append(read)
+    if all(bool(r.all()) for r in per_dim):
+        return None
+    mask = per_dim[0]
+    for r in per_dim[1:]:
+        mask = mask.unsqueeze(-1) & r
+    return mask.to(device)
+
+
 def _unfold(x: torch.Tensor, spec: ConvSpec) -> torch.Tensor:
     """(B, C, *S) -> (B, C * prod(k), T): patches as columns (im2col for 2-D, an identity
     convolution for any spatial rank)."""
@@ -376,8 +397,12 @@ class ConvRule(LayerRule):
 
     def _slack(self, rec: Record) -> torch.Tensor:
         """A bound on ``sum_t |a_t| |g_t|`` over positions and groups (a_t a patch): each input element
-        is in at most prod(kernel) patches, so by Cauchy-Schwarz ``sqrt(prod(kernel)) |x_i| |g_i|``."""
+        is in at most prod(kernel) patches, so by Cauchy-Schwarz ``sqrt(prod(kernel)) |x_i| |g_i|``, x_i
+        taken over the elements some patch reads (a NaN where no output looks is no part of the gradient)."""
         x, spec, _ = self._shapes(rec)
+        read = _read_mask(tuple(x.shape[2:]), spec.key(), x.device)
+        if read is not None:
+            x = x.masked_fill(~read, 0)
         return (sq_norms_of(x) * sq_norms_of(rec.grad_output)).sqrt_().mul_(math.sqrt(math.prod(spec.kernel)))
 
     def _with_rounding_allowance(self, rec: Record, sq_norms: torch.Tensor) -> torch.Tensor:
