@@ -32,14 +32,12 @@ T* at(uintptr_t address) {
 }
 
 void noisy_average(const std::vector<uintptr_t>& src, const std::vector<uintptr_t>& dst,
-                   const std::vector<int64_t>& numel, const std::vector<bool>& is_double, double std, double divisor,
-                   uint64_t seed) {
+                   const std::vector<int64_t>& numel, double std, double divisor, uint64_t seed) {
   const size_t n = src.size();
-  if (dst.size() != n || numel.size() != n || is_double.size() != n)
-    throw std::invalid_argument("src, dst, numel and is_double differ in length");
+  if (dst.size() != n || numel.size() != n) throw std::invalid_argument("src, dst and numel differ in length");
   std::vector<fastdp::NoiseTensor> tensors;
   for (size_t i = 0; i < n; ++i)
-    tensors.push_back({at<const void>(src[i]), at<void>(dst[i]), numel[i], static_cast<uint32_t>(i), is_double[i]});
+    tensors.push_back({at<const void>(src[i]), at<void>(dst[i]), numel[i], static_cast<uint32_t>(i)});
   py::gil_scoped_release release;
   fastdp::noisy_average(tensors, std, divisor, seed);
 }
@@ -182,11 +180,11 @@ PYBIND11_MODULE(_C, m) {
   m.def("version", []() { return std::string("0.1.0"); }, "Version of the native extension.");
   // Bumped with every change of a binding's signature or meaning: fastdp._native_ops refuses a
   // build whose number differs (a stale in-place build), and the references run instead.
-  m.attr("BINDINGS") = 2;
-  m.def("noisy_average", &noisy_average, py::arg("src"), py::arg("dst"), py::arg("numel"), py::arg("is_double"),
-        py::arg("std"), py::arg("divisor"), py::arg("seed"),
+  m.attr("BINDINGS") = 3;
+  m.def("noisy_average", &noisy_average, py::arg("src"), py::arg("dst"), py::arg("numel"), py::arg("std"),
+        py::arg("divisor"), py::arg("seed"),
         "dst[i] = (src[i] + std * z_i) / divisor, z_i ~ N(0, 1) from Philox keyed by seed, counter by (i, element) "
-        "(addresses of contiguous float32 or float64 buffers of numel[i] elements; dst[i] may be src[i]).");
+        "(addresses of contiguous float32 buffers of numel[i] elements; dst[i] may be src[i]).");
   def_per_dtype(m, "embedding_sq_norms", &embedding_sq_norms_t<float>, &embedding_sq_norms_t<double>,
                 "out[i] = squared norm of sample i's embedding weight gradient (ids (B,T), g (B,T,D)).", py::arg("ids"),
                 py::arg("g").noconvert(), py::arg("has_padding"), py::arg("padding_idx"), py::arg("out").noconvert());

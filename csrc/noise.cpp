@@ -98,7 +98,7 @@ void noisy_average(const std::vector<NoiseTensor>& tensors, double std, double d
   for (size_t i = 0; i < tensors.size(); ++i) {
     const uint64_t groups = (static_cast<uint64_t>(tensors[i].numel) + 4 * kGroup - 1) / (4 * kGroup);
     for (uint64_t g = 0; g < groups; g += kChunk) items.push_back({i, g, std::min(kChunk, groups - g)});
-    advise_huge_pages(tensors[i].dst, tensors[i].numel * (tensors[i].is_double ? 8 : 4));
+    advise_huge_pages(tensors[i].dst, tensors[i].numel * sizeof(float));
   }
   const uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
 #pragma omp parallel for schedule(dynamic)

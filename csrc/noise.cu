@@ -1,5 +1,6 @@
 // Fused DP noise on CUDA: dst = (src + std * z) / divisor for many tensors in one launch,
 // z from the Philox stream of philox.h (the same numbers as the C++ and Triton kernels).
+// Float32 only: its normals are float32, on whose grid a float64 sum's low bits would show.
 // Plain CUDA without torch headers, built into a shared library by `make cuda-lib` and
 // called through ctypes by fastdp/_cuda_ops.py.
 #include <cuda_runtime.h>
@@ -10,7 +11,7 @@ namespace fastdp {
 
 // One tensor of a call, as laid out by fastdp/_cuda_ops.py: five int64 words.
 struct DeviceNoiseTensor {
-  int64_t src;          // device address of the float32/float64 input
+  int64_t src;          // device address of the float32 input
   int64_t dst;          // device address of the output (may equal src)
   int64_t numel;
   int64_t index;        // keys the tensor's noise stream
@@ -21,10 +22,9 @@ struct DeviceNoiseTensor {
 // at a time: thread j draws counter j of the group and writes elements j, j + kGroup,
 // j + 2 kGroup, j + 3 kGroup (coalesced). The tensor of a group is found by binary search
 // over first_group, so no per-block table is needed.
-template <typename T>
 __global__ void __launch_bounds__(kGroup) noisy_average_kernel(const DeviceNoiseTensor* tensors, int n_tensors,
                                                               int64_t total_groups, uint32_t k0, uint32_t k1,
-                                                              T std, T divisor) {
+                                                              float std, float divisor) {
   for (int64_t group = blockIdx.x; group < total_groups; group += gridDim.x) {
     int lo = 0, hi = n_tensors - 1;
     while (lo < hi) {  // last tensor whose first_group <= group
@@ -40,39 +40,37 @@ __global__ void __launch_bounds__(kGroup) noisy_average_kernel(const DeviceNoise
     float z[4];
     box_muller(w0, w1, z[0], z[1]);
     box_muller(w2, w3, z[2], z[3]);
-    const T* src = reinterpret_cast<const T*>(t.src);
-    T* dst = reinterpret_cast<T*>(t.dst);
+    const float* src = reinterpret_cast<const float*>(t.src);
+    float* dst = reinterpret_cast<float*>(t.dst);
     const int64_t first = local * 4 * kGroup + threadIdx.x;
 #pragma unroll
     for (int lane = 0; lane < 4; ++lane) {
       const int64_t e = first + lane * kGroup;
-      if (e < t.numel) dst[e] = (src[e] + std * static_cast<T>(z[lane])) / divisor;
+      if (e < t.numel) dst[e] = (src[e] + std * z[lane]) / divisor;
     }
   }
 }
 
-template <typename T>
 cudaError_t launch(const DeviceNoiseTensor* tensors, int n_tensors, int64_t total_groups, int max_blocks,
                    uint64_t seed, double std, double divisor, cudaStream_t stream) {
   if (n_tensors <= 0 || total_groups <= 0) return cudaSuccess;
   const int blocks = static_cast<int>(total_groups < max_blocks ? total_groups : max_blocks);
-  noisy_average_kernel<T><<<blocks, kGroup, 0, stream>>>(tensors, n_tensors, total_groups,
-                                                         static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32),
-                                                         static_cast<T>(std), static_cast<T>(divisor));
+  noisy_average_kernel<<<blocks, kGroup, 0, stream>>>(tensors, n_tensors, total_groups,
+                                                      static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32),
+                                                      static_cast<float>(std), static_cast<float>(divisor));
   return cudaGetLastError();
 }
 
 }  // namespace fastdp
 
-// Host launcher. `tensors` is a device array of n_tensors entries of one dtype
-// (is_double: float64, else float32); total_groups = sum of ceil(numel / (4 * kGroup)).
-// Returns the launch's CUDA error code (0 on success).
-extern "C" int fastdp_noisy_average(const void* tensors, int n_tensors, int64_t total_groups, int max_blocks,
-                                    int is_double, uint64_t seed, double std, double divisor, void* stream) {
-  const auto* t = static_cast<const fastdp::DeviceNoiseTensor*>(tensors);
-  const auto s = static_cast<cudaStream_t>(stream);
-  return is_double ? fastdp::launch<double>(t, n_tensors, total_groups, max_blocks, seed, std, divisor, s)
-                   : fastdp::launch<float>(t, n_tensors, total_groups, max_blocks, seed, std, divisor, s);
+// Host launcher. `tensors` is a device array of n_tensors float32 entries; total_groups =
+// sum of ceil(numel / (4 * kGroup)). Returns the launch's CUDA error code (0 on success).
+// Named for float32: a library built before float64 was dropped (its launcher took a dtype
+// flag) fails to load instead of being called with the wrong arguments.
+extern "C" int fastdp_noisy_average_f32(const void* tensors, int n_tensors, int64_t total_groups, int max_blocks,
+                                        uint64_t seed, double std, double divisor, void* stream) {
+  return fastdp::launch(static_cast<const fastdp::DeviceNoiseTensor*>(tensors), n_tensors, total_groups, max_blocks,
+                        seed, std, divisor, static_cast<cudaStream_t>(stream));
 }
 
 // The group size the launcher assumes (the Python side checks it against kernels/noise.py).

@@ -133,29 +133,21 @@ inline void group_normals(uint32_t c_lo, uint32_t c_hi, uint32_t param, uint32_t
   }
 }
 
-// Groups [first, first + count) of one tensor: out = (s + std z) * (1 / divisor).
-template <typename T>
-void noise_groups_t(const NoiseTensor& t, uint64_t first, uint64_t count, uint32_t k0, uint32_t k1, T std,
-                    T inv_divisor) {
-  const T* s = static_cast<const T*>(t.src);
-  T* out = static_cast<T*>(t.dst);
+// Groups [first, first + count) of one tensor: out = (s + std z) * (1 / divisor), in float32.
+inline void noise_groups(const NoiseTensor& t, uint64_t first, uint64_t count, uint32_t k0, uint32_t k1,
+                         double std_wide, double divisor) {
+  const float std = static_cast<float>(std_wide), inv_divisor = static_cast<float>(1.0 / divisor);
+  const float* s = static_cast<const float*>(t.src);
+  float* out = static_cast<float*>(t.dst);
   alignas(64) float z[4][kGroup];
   for (uint64_t g = first; g < first + count; ++g) {
     const uint64_t c = g * kGroup;  // its low word is a multiple of kGroup: c_lo + j never carries
     group_normals(static_cast<uint32_t>(c), static_cast<uint32_t>(c >> 32), t.index, k0, k1, z);
     const int64_t base = static_cast<int64_t>(4 * c), n = std::min<int64_t>(4 * kGroup, t.numel - base);
     const float* zf = &z[0][0];
-    const T* sg = s + base;
-    T* og = out + base;
+    const float* sg = s + base;
+    float* og = out + base;
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) og[i] = (sg[i] + std * static_cast<T>(zf[i])) * inv_divisor;
+    for (int64_t i = 0; i < n; ++i) og[i] = (sg[i] + std * zf[i]) * inv_divisor;
   }
-}
-
-inline void noise_groups(const NoiseTensor& t, uint64_t first, uint64_t count, uint32_t k0, uint32_t k1, double std,
-                         double divisor) {
-  if (t.is_double)
-    noise_groups_t<double>(t, first, count, k0, k1, std, 1.0 / divisor);
-  else
-    noise_groups_t<float>(t, first, count, k0, k1, static_cast<float>(std), static_cast<float>(1.0 / divisor));
 }

@@ -31,9 +31,11 @@ def _load() -> ctypes.CDLL:
     if not LIBRARY.exists():
         raise ImportError(f"{LIBRARY.name} is not built: run `make cuda-lib` (needs nvcc)")
     lib = ctypes.CDLL(str(LIBRARY))
-    lib.fastdp_noisy_average.restype = ctypes.c_int
-    lib.fastdp_noisy_average.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
-                                         ctypes.c_uint64, ctypes.c_double, ctypes.c_double, ctypes.c_void_p]
+    if not hasattr(lib, "fastdp_noisy_average_f32"):
+        raise ImportError(f"{LIBRARY.name} was built from older sources; rebuild it (make cuda-lib)")
+    lib.fastdp_noisy_average_f32.restype = ctypes.c_int
+    lib.fastdp_noisy_average_f32.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_int,
+                                             ctypes.c_uint64, ctypes.c_double, ctypes.c_double, ctypes.c_void_p]
     if lib.fastdp_noise_group() != GROUP:
         raise ImportError(f"{LIBRARY.name} was built with another group size; rebuild it (make cuda-lib)")
     return lib
@@ -41,7 +43,9 @@ def _load() -> ctypes.CDLL:
 
 def noisy_average(sums: Sequence[torch.Tensor], std: float, divisor: float, seed: int,
                   inplace: bool = False) -> List[torch.Tensor]:
-    """Fused ``(s + std z) / divisor``, one launch per dtype; stream k = position in ``sums``."""
+    """Fused ``(s + std z) / divisor`` in float32, one launch; stream k = position in ``sums``. Float64
+    sums are refused (``ops.noisy_average`` gives them float64 normals)."""
+    ops.check_float32_sums(sums)
     if not _runs_on(sums[0].device):
         return ops.noisy_average_ref(sums, std, divisor, seed, inplace=inplace)
     return _launch(sums, std, divisor, seed, inplace)
@@ -50,12 +54,10 @@ def noisy_average(sums: Sequence[torch.Tensor], std: float, divisor: float, seed
 def _launch(sums: Sequence[torch.Tensor], std: float, divisor: float, seed: int,
             inplace: bool) -> List[torch.Tensor]:
     ops.check_float32_noise_scalars(std, divisor)
-    srcs = [ops.kernel_operand(s) for s in sums]
+    srcs = [ops.kernel_operand(s, torch.float32) for s in sums]
     outs = srcs if inplace else [torch.empty_like(s) for s in srcs]
-    for dtype in ops.KERNEL_FLOATS:
-        members = [k for k, s in enumerate(srcs) if s.dtype == dtype and s.numel()]
-        if not members:
-            continue
+    members = [k for k, s in enumerate(srcs) if s.numel()]
+    if members:
         rows, first = [], 0
         for k in members:
             rows.append([srcs[k].data_ptr(), outs[k].data_ptr(), srcs[k].numel(), k, first])
@@ -66,8 +68,8 @@ def _launch(sums: Sequence[torch.Tensor], std: float, divisor: float, seed: int,
         blocks = 8 * torch.cuda.get_device_properties(device).multi_processor_count
         stream = torch.cuda.current_stream(device).cuda_stream
         with torch.cuda.device(device):  # a launch goes to the current device, which must own the stream
-            err = _LIB.fastdp_noisy_average(table.data_ptr(), len(members), first, blocks, dtype == torch.float64,
-                                            seed & (2**64 - 1), float(std), float(divisor), stream)
+            err = _LIB.fastdp_noisy_average_f32(table.data_ptr(), len(members), first, blocks, seed & (2**64 - 1),
+                                                float(std), float(divisor), stream)
         if err:
             raise RuntimeError(f"fastdp CUDA noise kernel failed to launch (cudaError {err})")
     return ops.in_input_dtypes(outs, sums)

@@ -17,7 +17,7 @@ import torch
 
 from fastdp import _C, ops
 
-BINDINGS = 2  # csrc/module.cpp's number: a stale build (source updated, not rebuilt) is refused
+BINDINGS = 3  # csrc/module.cpp's number: a stale build (source updated, not rebuilt) is refused
 _USED = ("noisy_average", "rows_sq_norms", "outer_sq_norms", "total_sq_norms", "clip_factors", "linear_sq_norms_ghost",
          "linear_sq_norms_direct", "embedding_sq_norms", "conv2d_sq_norms", "group_norm_backward")
 _MISSING = [name for name in _USED if not hasattr(_C, name)]
@@ -37,16 +37,17 @@ _FLOAT32_MAX = ops.FLOAT32_NORMAL_RANGE[1]
 @ops.register("noisy_average", "native", "cpu")
 def noisy_average(sums: Sequence[torch.Tensor], std: float, divisor: float, seed: int,
                   inplace: bool = False) -> List[torch.Tensor]:
-    """Fused ``(s + std z) / divisor`` for all tensors in one parallel pass (Philox stream k = list position).
-    In place, the kernel writes over the (contiguous float) sums: no fresh pages to fault in."""
+    """Fused ``(s + std z) / divisor`` for all tensors in one parallel pass (Philox stream k = list position),
+    in float32: float64 sums are refused (``ops.noisy_average`` gives them float64 normals). In place, the
+    kernel writes over the (contiguous float32) sums: no fresh pages to fault in."""
+    ops.check_float32_sums(sums)
     if std == 0:
         return [s.div_(divisor) if inplace else s / divisor for s in sums]
     srcs = [ops.kernel_operand(s) for s in sums]
     outs = srcs if inplace else [torch.empty_like(s) for s in srcs]
     divide_after = 1.0 / divisor > _FLOAT32_MAX  # the kernel's float32 reciprocal would be Inf
     _C.noisy_average([s.data_ptr() for s in srcs], [o.data_ptr() for o in outs], [s.numel() for s in srcs],
-                     [s.dtype == torch.float64 for s in srcs], float(std), 1.0 if divide_after else float(divisor),
-                     seed & (2**64 - 1))
+                     float(std), 1.0 if divide_after else float(divisor), seed & (2**64 - 1))
     if divide_after:
         for o in outs:
             o.div_(divisor)

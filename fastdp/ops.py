@@ -147,6 +147,15 @@ def check_float32_noise_scalars(std: float, divisor: float) -> None:
                          f"[{low:.3g}, {high:.3g}], which the GPU noise kernels take them in")
 
 
+def check_float32_sums(sums: Sequence[torch.Tensor]) -> None:
+    """The noise kernels draw float32 normals: refuse a float64 sum, whose low bits would show
+    through noise on float32's grid (:func:`noisy_average` gives float64 sums float64 normals)."""
+    if any(s.dtype == torch.float64 for s in sums):
+        raise ValueError("the noise kernels draw float32 normals, on whose grid a float64 sum's low bits would "
+                         "show through the noise: pass float64 sums to fastdp.ops.noisy_average, which gives "
+                         "them float64 normals")
+
+
 def kernel_dtype(*tensors: torch.Tensor) -> torch.dtype:
     """The one float dtype a kernel computes ``tensors`` in: their promoted dtype where it is
     float32/float64, else float32."""

@@ -5,7 +5,9 @@ The noise stream (shared with ``csrc/philox.h``, which documents it in full): el
 seed, at counter ``(c_lo, c_hi, k, 0)`` with ``c = (e // 4G) * G + e % G``, output word
 ``(e % 4G) // G`` (``G = GROUP``), turned into normals by Box-Muller on word pairs.
 ``philox_normal_ref`` is the pure-PyTorch definition; the C++, CUDA and Triton kernels
-reproduce it up to float32 rounding (FMA contraction), whatever the tensor's dtype.
+reproduce it up to float32 rounding (FMA contraction). The normals are float32, so these
+take float32 and half-precision sums only: a float64 sum's low bits would show through
+noise on float32's grid (``fastdp.ops.noisy_average`` gives float64 sums float64 normals).
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from typing import List, Sequence
 import torch
 import triton
 import triton.language as tl
+
+from fastdp import ops
 
 GROUP = 256
 _MASK32 = 0xFFFFFFFF
@@ -95,11 +99,12 @@ def philox_normal_ref(numel: int, seed: int, index: int) -> torch.Tensor:
 def noisy_average_philox_ref(
     sums: Sequence[torch.Tensor], std: float, divisor: float, seed: int
 ) -> List[torch.Tensor]:
-    """``(s + std * z) / divisor`` with the kernels' Philox stream (``z`` of tensor k = stream k)."""
+    """``(s + std * z) / divisor`` with the kernels' Philox stream (``z`` of tensor k = stream k), in float32."""
+    ops.check_float32_sums(sums)
     out = []
     for k, s in enumerate(sums):
         z = philox_normal_ref(s.numel(), seed, k).to(device=s.device).view(s.shape)
-        out.append(((s.to(torch.float32 if s.dtype != torch.float64 else s.dtype) + std * z) / divisor).to(s.dtype))
+        out.append(((s.to(torch.float32) + std * z) / divisor).to(s.dtype))
     return out
 
 
@@ -177,19 +182,20 @@ def _noisy_average_kernel(
 
 @triton.jit
 def _store_noisy(src, dst, offs, n, z, std, divisor):
-    """dst[offs] = (src[offs] + std * z) / divisor where offs < n, in float32 (float64 kept)."""
+    """dst[offs] = (src[offs] + std * z) / divisor where offs < n, in float32."""
     mask = offs < n
     s = tl.load(src + offs, mask=mask, other=0.0)
-    acc = s.to(tl.float32) if s.dtype != tl.float64 else s
-    tl.store(dst + offs, ((acc + std * z.to(acc.dtype)) / divisor).to(s.dtype), mask=mask)
+    tl.store(dst + offs, ((s.to(tl.float32) + std * z) / divisor).to(s.dtype), mask=mask)
 
 
 def noisy_average_triton(
     sums: Sequence[torch.Tensor], std: float, divisor: float, seed: int, inplace: bool = False,
     groups_per_prog: int = 4, num_warps: int = 4,
 ) -> List[torch.Tensor]:
-    """Multi-tensor fused noise: one launch per dtype for all tensors of ``sums``; each program
-    draws ``groups_per_prog`` groups (4 * GROUP elements each) with ``num_warps`` warps."""
+    """Multi-tensor fused noise: one launch per dtype for all tensors of ``sums`` (float32 or half;
+    float64 refused); each program draws ``groups_per_prog`` groups (4 * GROUP elements each)
+    with ``num_warps`` warps."""
+    ops.check_float32_sums(sums)
     srcs = [s.contiguous() for s in sums]
     outs = srcs if inplace else [torch.empty_like(s) for s in srcs]
     by_dtype = {}
