@@ -23,7 +23,7 @@ import os
 import warnings
 import weakref
 from collections import OrderedDict
-from typing import Callable, Dict, List, Optional, Sequence, Union
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.optim.optimizer as torch_optimizer_module
@@ -52,6 +52,15 @@ def _splitmix64(x: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return x ^ (x >> 31)
+
+
+class _UnfinishedStep(NamedTuple):
+    """A step that raised part-way, resumed by a retry on the same clipped sums: ``key`` is
+    ``DPOptimizer._retry_key()`` after the last ``phase`` done ("closed": the loader's batch,
+    "counted": by the accountant, at noise multiplier ``sigma``; "released": the noisy gradients)."""
+    key: tuple
+    phase: str
+    sigma: Optional[float] = None
 
 
 class DPOptimizer(torch.optim.Optimizer):
@@ -123,7 +132,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self.accountant = None
         self.loader = None  # the Poisson loader whose batches the steps take, once attached
         self._detached = False
-        self._unfinished: Optional[tuple] = None  # (_retry_key(), phase done[, sigma counted]): a step that raised
+        self._unfinished: Optional[_UnfinishedStep] = None  # a step that raised part-way
         # last: it hooks the module, so nothing after it may fail and leave the hooks behind
         self.engine = GradSampleEngine(module, params, self.clipping, loss_reduction, nonfinite)
         # seeds drawn per noise key and module: an optimizer rebuilt on the module with the same seed (after
@@ -365,17 +374,17 @@ class DPOptimizer(torch.optim.Optimizer):
         # failing) resumes where it stopped if retried on the same clipped sums, before any other pass or
         # batch: the batch is not closed or counted twice, its sums released once.
         key = self._retry_key()
-        done = self._unfinished[1] if self._unfinished and self._unfinished[0] == key else None
+        done = self._unfinished.phase if self._unfinished is not None and self._unfinished.key == key else None
         if done is None:
             self._close_loader_step()
-            self._unfinished = (key, "closed")
+            self._unfinished = _UnfinishedStep(key, "closed")
         if done in (None, "closed"):
             self._account_step()
-            self._unfinished = (key, "counted", self.noise_multiplier)
+            self._unfinished = _UnfinishedStep(key, "counted", self.noise_multiplier)
         if done != "released":
-            if self._unfinished[2] != self.noise_multiplier:
+            if self._unfinished.sigma != self.noise_multiplier:
                 raise ValueError(
-                    f"this step was counted at noise_multiplier={self._unfinished[2]} before it failed; releasing it "
+                    f"this step was counted at noise_multiplier={self._unfinished.sigma} before it failed; releasing it "
                     f"at {self.noise_multiplier} would not be what the accountant recorded: set noise_multiplier "
                     "back to retry it, or call zero_grad() to give it up (it stays counted)")
             try:
@@ -385,7 +394,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 # are dropped. A retry releases noise only, counted again (conservative)
                 self.engine.clear()
                 raise
-            self._unfinished = (self._retry_key(), "released")
+            self._unfinished = self._unfinished._replace(key=self._retry_key(), phase="released")
         self.original_optimizer.step()
         self._unfinished = None
         self.steps += 1

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import fastdp
 from fastdp.distributed import DistributedDPOptimizer, DistributedPoissonBatchSampler, distributed_poisson_loader
+from fastdp.optimizer import _UnfinishedStep
 
 WORLD = 2
 N, RATE, STEPS, SEED = 9, 0.3, 6, 3
@@ -133,7 +134,7 @@ def worker(rank, port, out):
         model = make_model(7)
         opt = DistributedDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), module=model, noise_multiplier=1.0,
                                      max_grad_norm=C, expected_batch_size=1.0)
-        opt._unfinished = (opt._retry_key(), "counted", 1.0)
+        opt._unfinished = _UnfinishedStep(opt._retry_key(), "counted", 1.0)
         try:
             opt.step()
         except RuntimeError as exc:

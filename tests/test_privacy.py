@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import fastdp
 from fastdp import accounting
+from fastdp.optimizer import _UnfinishedStep
 
 
 def setup(n=200, batch=20):
@@ -395,14 +396,14 @@ def test_a_step_resumed_after_its_count_refuses_another_noise_multiplier():
     saved = opt.state_dict()
     x, y = next(iter(loader))
     nn.functional.cross_entropy(model(x), y).backward()
-    opt._unfinished = (opt._retry_key(), "counted", 1.0)  # where an interrupt right after the count leaves it
+    opt._unfinished = _UnfinishedStep(opt._retry_key(), "counted", 1.0)  # where an interrupt right after the count leaves it
     opt.noise_multiplier = 0.0
     with pytest.raises(ValueError, match="counted at noise_multiplier=1.0"):
         opt.step()
     opt.noise_multiplier = 1.0
     opt.step()
     assert opt.steps == 1 and opt.accountant.steps == 0  # resumed: released, not counted again
-    opt._unfinished = (opt._retry_key(), "counted", 1.0)
+    opt._unfinished = _UnfinishedStep(opt._retry_key(), "counted", 1.0)
     opt.load_state_dict(saved)  # a load (on every rank, in data-parallel runs) resumes nothing
     assert opt._unfinished is None
 
