@@ -241,49 +241,15 @@ class GradSampleEngine:
             return
         # checks first, then everything the pass adds at once at the end: a pass that raises (a refusal,
         # a non-finite sample, an interrupt) leaves no partial sums and no inputs marked as seen
-        self._check_new_samples(inputs, taps)
-        if torch._C._current_autograd_node() is not None:
-            # A backward pass run from inside another one's node (reentrant checkpointing): its
-            # callback would clip the samples' gradients of this inner part on their own.
-            raise UnsupportedModuleError(
-                "a backward pass ran inside another one (torch.utils.checkpoint with use_reentrant=True?) "
-                "and reached hooked layers first: fastdp would clip that part of each sample's gradient "
-                "on its own; use torch.utils.checkpoint(..., use_reentrant=False)"
-            )
-        self.check_foreign_grads()
+        self._check_pass(inputs, taps)
         batch = self._batch_size(records)
         if batch == 0:  # an empty (Poisson) batch: nothing to clip, the step adds noise only
             self.generation += 1  # still a pass: a step failed before it is not retried on it
             return
         scale = float(batch) if self.loss_reduction == "mean" else 1.0
-        found = None
-        if self.ledger is not None:
-            traced = self.ledger.traced_batches({**{key: ref for key, (ref, _) in inputs.items()}, **bases})
-            found = self.ledger.batches_of(traced)
-            self._check_rows_per_sample(batch, self.ledger.samples_in_pass(found), bool(traced))
-
-        # each private parameter's uses (record, name), keyed by id (Tensor.__hash__ is Python)
-        uses: Dict[int, List[tuple]] = {}
-        private = self._private_ids
-        for rec in records:
-            for name, p in rec.params.items():
-                if id(p) in private:
-                    uses.setdefault(id(p), []).append((rec, name))
-        shared = {u[0][0].params[u[0][1]]: self._summed_per_sample(u) for u in uses.values() if len(u) > 1}
-        own: Dict[Record, List[str]] = defaultdict(list)  # names whose parameter only this record used
-        for u in uses.values():
-            if len(u) == 1:
-                own[u[0][0]].append(u[0][1])
-
-        params: List[torch.Tensor] = []
-        norms: List[torch.Tensor] = []
-        for rec, names in own.items():
-            for name, n in rec.rule.sq_norms(rec, names).items():
-                params.append(rec.params[name])
-                norms.append(n)
-        for p, grads in shared.items():
-            params.append(p)
-            norms.append(sq_norms_of(grads))
+        found = None if self.ledger is None else self._trace_batches(inputs, bases, batch)
+        own, shared = self._uses(records)
+        params, norms = self._sq_norms(own, shared)
         if not norms:  # the pass reached only parameters left out of the optimizer: nothing to clip
             return
 
@@ -306,13 +272,66 @@ class GradSampleEngine:
                 self._accumulate(summed, rec.params[name], s)
         for p, grads in shared.items():
             self._accumulate(summed, p, weighted_sum(coef_of(p), grads))
-        self.summed = summed
+        self.summed = summed  # committed: what follows cannot fail
         self.generation += 1
         self._step_inputs.update(inputs)
         self._step_taps.update(taps)
         self.samples_seen += batch
         if found is not None:
             self.pass_batches.update(found)
+
+    def _check_pass(self, inputs: Dict[int, tuple], taps: Dict[int, Tap]) -> None:
+        """Refuse a pass that would clip samples seen before, or a part of their gradients on its
+        own (a pass inside another one), or whose parameters got gradients outside the hooks."""
+        self._check_new_samples(inputs, taps)
+        if torch._C._current_autograd_node() is not None:
+            # A backward pass run from inside another one's node (reentrant checkpointing): its
+            # callback would clip the samples' gradients of this inner part on their own.
+            raise UnsupportedModuleError(
+                "a backward pass ran inside another one (torch.utils.checkpoint with use_reentrant=True?) "
+                "and reached hooked layers first: fastdp would clip that part of each sample's gradient "
+                "on its own; use torch.utils.checkpoint(..., use_reentrant=False)"
+            )
+        self.check_foreign_grads()
+
+    def _trace_batches(self, inputs: Dict[int, tuple], bases: Dict[int, weakref.ref], batch: int) -> set:
+        """The attached loader's batches this pass's layer inputs (or the tensors they view) came
+        from; refuses more rows than the batch holds samples where the pass is traced to it."""
+        traced = self.ledger.traced_batches({**{key: ref for key, (ref, _) in inputs.items()}, **bases})
+        found = self.ledger.batches_of(traced)
+        self._check_rows_per_sample(batch, self.ledger.samples_in_pass(found), bool(traced))
+        return found
+
+    def _uses(self, records: List[Record]):
+        """``(own, shared)``: per record, the names of the private parameters only it used; per
+        private parameter used by several records (tied, or a layer called twice), its summed
+        per-sample gradients (B, *shape), cross terms included."""
+        uses: Dict[int, List[tuple]] = {}  # (record, name) per parameter, by id (Tensor.__hash__ is Python)
+        private = self._private_ids
+        for rec in records:
+            for name, p in rec.params.items():
+                if id(p) in private:
+                    uses.setdefault(id(p), []).append((rec, name))
+        shared = {u[0][0].params[u[0][1]]: self._summed_per_sample(u) for u in uses.values() if len(u) > 1}
+        own: Dict[Record, List[str]] = defaultdict(list)
+        for u in uses.values():
+            if len(u) == 1:
+                own[u[0][0]].append(u[0][1])
+        return own, shared
+
+    @staticmethod
+    def _sq_norms(own: Dict[Record, List[str]], shared: Dict[torch.Tensor, torch.Tensor]):
+        """``(params, norms)``: each private parameter of the pass and its per-sample squared norms (B,)."""
+        params: List[torch.Tensor] = []
+        norms: List[torch.Tensor] = []
+        for rec, names in own.items():
+            for name, n in rec.rule.sq_norms(rec, names).items():
+                params.append(rec.params[name])
+                norms.append(n)
+        for p, grads in shared.items():
+            params.append(p)
+            norms.append(sq_norms_of(grads))
+        return params, norms
 
     def _check_rows_per_sample(self, rows: int, samples: Optional[int], traced: bool) -> None:
         """The layers' dim 0 (``rows``) may not exceed the samples of the batch or chunk the
