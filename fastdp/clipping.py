@@ -1,14 +1,19 @@
 """Clipping policies: per-sample squared norms in, per-sample coefficients out.
 
-Each policy maps ``{param: (B,) squared norm}`` to ``{param: (B,) coefficient}`` (float64)
-and states its sensitivity: the largest L2 norm one sample's clipped gradient can have,
-which scales the noise (std = noise_multiplier * sensitivity on the sum).
+A policy has
+
+* ``sensitivity``: the largest L2 norm one sample's clipped gradient can have, which scales
+  the noise (std = noise_multiplier * sensitivity on the sum);
+* either ``coefficient(total_sq, scale)``: one (B,) coefficient shared by every parameter,
+  from the per-sample total squared norm (flat, automatic), or ``coefficients(sq_norms,
+  scale, total_sq)``: ``{param: (B,) squared norm}`` to ``{param: (B,) coefficient}``
+  (per-layer); float64 either way. The engine calls the first where a policy has it;
+* ``settings()``: what data-parallel ranks must agree on (compared at every step).
 
 ``scale``: the norms given are of the per-sample gradients divided by ``scale`` (a mean
 loss divides them by the batch size), and the coefficients returned apply to those divided
 gradients: ``scale * c(scale^2 * sq_norms)``. ``total_sq``, where the caller has it, is the
-per-sample sum of ``sq_norms`` over parameters (not modified). Flat and automatic clipping
-give one tensor shared by all parameters, also directly from the total (``coefficient``).
+per-sample sum of ``sq_norms`` over parameters (not modified).
 """
 from __future__ import annotations
 
@@ -34,6 +39,9 @@ class FlatClipping:
     def sensitivity(self) -> float:
         return self.max_grad_norm
 
+    def settings(self) -> tuple:
+        return type(self).__name__, self.max_grad_norm
+
     def coefficient(self, total_sq: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         """The one coefficient (B,) that every parameter shares, from the per-sample total."""
         return ops.clip_factors(total_sq, self.max_grad_norm, scale, EPS, True)
@@ -48,6 +56,9 @@ class AutomaticClipping(FlatClipping):
 
     def coefficient(self, total_sq: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
         return ops.clip_factors(total_sq, self.max_grad_norm, scale, self.gamma, False)
+
+    def settings(self) -> tuple:
+        return type(self).__name__, self.max_grad_norm, self.gamma
 
 
 class PerLayerClipping:
@@ -75,6 +86,9 @@ class PerLayerClipping:
     @property
     def sensitivity(self) -> float:
         return math.hypot(*self.bounds.values())  # no overflow of the squares for bounds past 1e154
+
+    def settings(self) -> tuple:
+        return type(self).__name__, list(self.bounds.values())
 
     def coefficients(self, sq_norms, scale: float = 1.0, total_sq: Optional[torch.Tensor] = None):
         return {p: ops.clip_factors(n, self.bounds[p], scale, EPS, True) for p, n in sq_norms.items()}

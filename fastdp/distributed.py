@@ -162,12 +162,9 @@ class DistributedDPOptimizer(DPOptimizer):
                 "a step that failed midway cannot be retried in a data-parallel run (a rank that failed alone left "
                 "the others in their collectives): give it up with zero_grad() on every rank, or restart the ranks "
                 "from a checkpoint")
-        clipping = self.clipping
-        bounds = list(clipping.bounds.values()) if hasattr(clipping, "bounds") else [clipping.max_grad_norm]
-        rest = repr((type(clipping).__name__, bounds, getattr(clipping, "gamma", None),
-                     self.engine.loss_reduction))
+        rest = repr((self.clipping.settings(), self.engine.loss_reduction))
         digest = int.from_bytes(hashlib.sha256(rest.encode()).digest()[:6], "little")  # exact in float64
-        named = {"the clipping sensitivity (max_grad_norm)": clipping.sensitivity,
+        named = {"the clipping sensitivity (max_grad_norm)": self.clipping.sensitivity,
                  "expected_batch_size": float(self.expected_batch_size),
                  "the clipping settings (clipping mode, per-layer bounds, gamma or loss_reduction)": float(digest)}
         values = torch.tensor([v for x in named.values() for v in (x, -x)], dtype=torch.float64,
