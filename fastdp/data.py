@@ -24,7 +24,8 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional
 
 import numpy as np
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSampler, RandomSampler, Sampler,
+                              SequentialSampler, SubsetRandomSampler)
 from torch.utils.data._utils.collate import default_collate
 
 from fastdp.secure import os_entropy
@@ -357,23 +358,42 @@ def _loader_kwargs(data_loader: DataLoader) -> Dict[str, Any]:
     return kwargs
 
 
-def own_sampler(data_loader: DataLoader) -> Optional[str]:
-    """The type name of the loader's sampler where it picks its own examples (a split, a shard),
-    else None (sequential or shuffled over the whole dataset)."""
+def _index_sampler(data_loader: DataLoader):
+    """The sampler the loader's indices come from (its batch sampler's, where that is a plain one)."""
     picker, batches = data_loader.sampler, data_loader.batch_sampler
     if batches is not None:  # batch_sampler=...: the indices come from it
         picker = batches.sampler if type(batches) is BatchSampler else batches
-    return None if isinstance(picker, (SequentialSampler, RandomSampler)) else type(picker).__name__
+    return picker
+
+
+def _over_whole_dataset(picker, n: int) -> bool:
+    """A sequential or shuffled sampler over n examples (a RandomSampler over range(10) of a
+    dataset of 100 picks its own examples)."""
+    return isinstance(picker, (SequentialSampler, RandomSampler)) and len(picker.data_source) == n
+
+
+def partial_sampler(data_loader: DataLoader) -> Optional[str]:
+    """What shows that the loader's sampler draws from part of its dataset (a split, a shard), or
+    None where nothing does (a sampler fastdp cannot see into is taken at its word)."""
+    picker, n = _index_sampler(data_loader), len(data_loader.dataset)
+    name = type(picker).__name__
+    if isinstance(picker, (SequentialSampler, RandomSampler)) and not _over_whole_dataset(picker, n):
+        return f"its {name} runs over {len(picker.data_source)} examples, the dataset has {n}"
+    if isinstance(picker, SubsetRandomSampler) and set(map(int, picker.indices)) != set(range(n)):
+        return f"its {name} draws from {len(set(map(int, picker.indices)))} of the dataset's {n} examples"
+    if isinstance(picker, DistributedSampler) and picker.num_replicas > 1:
+        return f"its {name} gives each of {picker.num_replicas} processes a share of the dataset"
+    return None
 
 
 def check_whole_dataset(data_loader: DataLoader) -> None:
     """Refuse a loader whose sampler picks its own examples: Poisson batches are drawn from the
     whole dataset, so that sampler's indices (a split, a shard) would be silently ignored."""
-    picker = own_sampler(data_loader)
-    if picker is not None:
+    picker = _index_sampler(data_loader)
+    if not _over_whole_dataset(picker, len(data_loader.dataset)):
         raise ValueError(
             f"fastdp samples Poisson batches from the loader's whole dataset, so its "
-            f"{picker} would be ignored (its indices, and the sample rate they "
+            f"{type(picker).__name__} would be ignored (its indices, and the sample rate they "
             "imply); give a loader over the examples to train on (torch.utils.data.Subset for a split); for "
             "data-parallel runs give every rank the whole dataset, without a DistributedSampler, to "
             "fastdp.distributed_poisson_loader")

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from fastdp.arguments import finite_number
-from fastdp.data import own_sampler, poisson_loader
+from fastdp.data import partial_sampler, poisson_loader
 from fastdp.optimizer import DPOptimizer
 
 
@@ -71,11 +71,6 @@ def make_private(
         raise TypeError(f"make_private got Opacus argument(s) {opacus_only} that fastdp does not take: "
                         + "; ".join(f"{name}={optimizer_kwargs[name]!r}: {_OPACUS_ONLY[name]}"
                                     for name in opacus_only))
-    picker = own_sampler(data_loader)
-    if picker is not None and not poisson_sampling:  # poisson_loader refuses it with Poisson sampling
-        raise ValueError(f"the loader's {picker} draws batches from part of its dataset: the sample rate "
-                         "batch_size / len(dataset) would understate how often an example is used; give a "
-                         "loader over the examples to train on (torch.utils.data.Subset for a split)")
     dataset_size = len(data_loader.dataset)
     batch_size = data_loader.batch_size
     if not batch_size:
@@ -88,6 +83,11 @@ def make_private(
     if batch_size > dataset_size:
         raise ValueError(f"the loader's batch_size {batch_size} exceeds its dataset's {dataset_size} examples: "
                          "the sample rate batch_size / N must be at most 1; lower the batch_size")
+    part = None if poisson_sampling else partial_sampler(data_loader)  # poisson_loader refuses any own sampler
+    if part is not None:
+        raise ValueError(f"the loader draws batches from part of its dataset ({part}): the sample rate "
+                         "batch_size / len(dataset) would understate how often an example is used; give a "
+                         "loader over the examples to train on (torch.utils.data.Subset for a split)")
     sample_rate = batch_size / dataset_size
     # Poisson: round(1/q) batches make an epoch; the loader's own fixed-size batches otherwise
     steps_per_epoch = max(1, round(1 / sample_rate)) if poisson_sampling else len(data_loader)

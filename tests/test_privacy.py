@@ -858,14 +858,46 @@ def test_the_rounding_allowance_takes_tf32_inputs_rounding():
     assert float(with_rounding_allowance(sq, slack, 16, torch.float64, tf32=True).sqrt()) < 1e-14
 
 
+def _whole_and_partial_samplers(n):
+    data = list(range(n))
+    whole = {"SubsetRandomSampler(range(N))": torch.utils.data.SubsetRandomSampler(range(n)),
+             "DistributedSampler, one replica": torch.utils.data.DistributedSampler(data, num_replicas=1, rank=0),
+             "WeightedRandomSampler, uniform": torch.utils.data.WeightedRandomSampler([1.0] * n, n),
+             "a permutation": type("Perm", (torch.utils.data.Sampler,), {
+                 "__iter__": lambda self: iter(torch.randperm(n).tolist()), "__len__": lambda self: n})()}
+    partial = {"SubsetRandomSampler": torch.utils.data.SubsetRandomSampler(range(n // 10)),
+               "RandomSampler": torch.utils.data.RandomSampler(range(n // 10)),
+               "SequentialSampler": torch.utils.data.SequentialSampler(range(n // 10)),
+               "DistributedSampler": torch.utils.data.DistributedSampler(data, num_replicas=2, rank=0)}
+    return whole, partial
+
+
 def test_make_private_without_poisson_sampling_refuses_a_sampler_over_part_of_the_dataset():
-    """The rate is batch_size / len(dataset): a SubsetRandomSampler over 100 of 1,000 examples made it
-    10x too low with poisson_sampling=False (checked only for Poisson sampling: maintainability review)."""
+    """The rate is batch_size / len(dataset): a sampler over 100 of 1,000 examples made it 10x too low with
+    poisson_sampling=False (checked only for Poisson sampling: maintainability review). Samplers over the
+    whole dataset, or that fastdp cannot see into, pass (the first version refused them: regression review)."""
     data = torch.utils.data.TensorDataset(torch.randn(1000, 3), torch.zeros(1000, dtype=torch.long))
-    loader = torch.utils.data.DataLoader(data, batch_size=10,
-                                         sampler=torch.utils.data.SubsetRandomSampler(range(100)))
-    model = torch.nn.Linear(3, 2)
-    with pytest.raises(ValueError, match="SubsetRandomSampler draws batches from part of its dataset"):
-        fastdp.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                            data_loader=loader, noise_multiplier=1.0, max_grad_norm=1.0, poisson_sampling=False)
-    assert "forward" not in model.__dict__  # nothing hooked
+    whole, partial = _whole_and_partial_samplers(1000)
+    for name, sampler in {**whole, **partial}.items():
+        model = torch.nn.Linear(3, 2)
+        make = lambda: fastdp.make_private(  # noqa: E731
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), noise_multiplier=1.0,
+            max_grad_norm=1.0, poisson_sampling=False,
+            data_loader=torch.utils.data.DataLoader(data, batch_size=10, sampler=sampler))
+        if name in partial:
+            with pytest.raises(ValueError, match=f"part of its dataset \\(its {name} "):
+                make()
+            assert "forward" not in model.__dict__, name  # nothing hooked
+        else:
+            with pytest.warns(UserWarning, match="not covered"):
+                make()
+
+
+def test_a_poisson_loader_refuses_a_random_sampler_over_other_data():
+    """RandomSampler(range(10)) on a dataset of 100 passed as sampling the whole dataset: its choice of
+    examples was silently ignored (regression review)."""
+    data = torch.utils.data.TensorDataset(torch.randn(100, 3))
+    loader = torch.utils.data.DataLoader(data, batch_size=5, sampler=torch.utils.data.RandomSampler(range(10)))
+    with pytest.raises(ValueError, match="RandomSampler would be ignored"):
+        fastdp.poisson_loader(loader)
+    fastdp.poisson_loader(torch.utils.data.DataLoader(data, batch_size=5, shuffle=True))
