@@ -142,7 +142,8 @@ class GradSampleEngine:
         known = self._module_param_ids
 
         def forward(owner, *args, **kwargs):
-            params = rule.trainable(module) if owner is module and torch.is_grad_enabled() else None
+            # plain for a copy of the module, without grad, or once detached (a wrapper that kept this forward)
+            params = rule.trainable(module) if owner is module and torch.is_grad_enabled() and self._patched else None
             # plain also where the layer holds tensors other than the model's parameters
             # (torch.func.functional_call): autograd then gives them their gradients, and one
             # reaching a private parameter is refused as written outside its layer
@@ -157,9 +158,11 @@ class GradSampleEngine:
         return types.MethodType(forward, module)
 
     def detach(self) -> None:
-        """Remove every hook: the module behaves as a plain module again."""
+        """Remove every hook: the module behaves as a plain module again (a forward the user set over
+        a hooked one stays, and calls the plain forward from now on)."""
         for module in self._patched:
-            module.__dict__.pop("forward", None)
+            if getattr(module.__dict__.get("forward"), "fastdp_engine", None) is self:
+                del module.forward
         self._patched = []
         self._drop_pass()
 

@@ -20,6 +20,7 @@ import hashlib
 import math
 import operator
 import os
+import types
 import warnings
 import weakref
 from collections import OrderedDict
@@ -140,6 +141,28 @@ class DPOptimizer(torch.optim.Optimizer):
         # process only (not on the module, which is pickled and copied), under a digest of the secret key
         self._draws_by_key = _NOISE_DRAWS.setdefault(module, {})
         self._noise_draws = self._draws_by_key.get(self._key_digest(), 0)  # seeds handed out: the next is f(key, draws)
+        self._hook_module_zero_grad(module)
+
+    def _hook_module_zero_grad(self, module: nn.Module) -> None:
+        """``module.zero_grad()`` also drops the clipped sums not yet stepped, as ``zero_grad()`` does
+        (a loop calling the model's zero_grad, to drop a backward pass made for another purpose, saw that
+        pass's sums released with the next step). A bound method: a copy of the module (an EMA) runs its
+        plain zero_grad. A zero_grad the user set on the instance is left alone."""
+        current = module.__dict__.get("zero_grad")
+        inert = current is None or hasattr(current, "fastdp_module") or (  # ours: a copy's, a detached optimizer's
+            getattr(current, "__func__", None) is type(module).zero_grad)  # an unpickled hooked module's
+        if not inert:
+            return
+        plain, optimizer = type(module).zero_grad, weakref.ref(self)
+
+        def zero_grad(owner, set_to_none: bool = True) -> None:
+            plain(owner, set_to_none)
+            opt = optimizer()
+            if owner is module and opt is not None and not opt._detached:
+                opt._drop_unstepped_sums()
+
+        zero_grad.fastdp_module = module
+        module.zero_grad = types.MethodType(zero_grad, module)
 
     # -- what torch.optim.Optimizer users and LR schedulers read --------------------------
     @property
@@ -434,6 +457,9 @@ class DPOptimizer(torch.optim.Optimizer):
         """Zero the wrapped optimizer's gradients and drop clipped sums not yet stepped (kept
         while a logical batch is open, see :meth:`signal_skip_step`)."""
         self.original_optimizer.zero_grad(set_to_none)
+        self._drop_unstepped_sums()
+
+    def _drop_unstepped_sums(self) -> None:
         if not self._logical_batch_open:
             self.engine.clear()
         self.engine.adopt_current_grads()
@@ -446,7 +472,16 @@ class DPOptimizer(torch.optim.Optimizer):
     def detach(self) -> None:
         """Remove every hook from the module; this optimizer can no longer step privately."""
         self.engine.detach()
+        module = self.engine.module
+        if getattr(module.__dict__.get("zero_grad"), "fastdp_module", None) is module:
+            del module.zero_grad
         self._detached = True
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "a DPOptimizer cannot be copied or pickled: a copy would hook the same module and draw the same noise "
+            "(its secret key), and it holds the module's hooks; save optimizer.state_dict() (or use "
+            "fastdp.checkpoint) and build a new DPOptimizer to load it into")
 
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self, include_secrets: bool = False):

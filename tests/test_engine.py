@@ -460,3 +460,82 @@ def test_deep_copies_of_a_hooked_model_are_plain_models():
                                  max_grad_norm=1.0, expected_batch_size=8)  # a copy can be made private itself
     ema(x).square().sum().backward()
     assert all(p.grad is None for p in ema.parameters()) and len(ema_opt.engine.summed) == 4
+
+
+def _zero_noise_optimizer(model, batch=4):
+    return fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), module=model, noise_multiplier=0.0,
+                              max_grad_norm=0.5, expected_batch_size=batch, loss_reduction="sum")
+
+
+def test_the_models_zero_grad_drops_clipped_sums_not_yet_stepped():
+    """model.zero_grad() (what many loops call) left a discarded backward pass's clipped sums in place: they
+    went into the next step's release (torch-feature review). It drops them as optimizer.zero_grad() does;
+    a copy of the model (an EMA) zeroes only itself; detach() removes the hook."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)).double()
+    discarded, kept = torch.randn(4, 3, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    grads = []
+    for discard in (True, False):
+        opt = _zero_noise_optimizer(model)
+        if discard:
+            model(discarded).pow(2).sum().backward()
+            copy.deepcopy(model).zero_grad()  # a copy's zero_grad leaves this optimizer's sums alone
+            assert opt.engine.summed
+            model.zero_grad()
+        model(kept).pow(2).sum().backward()
+        opt.step()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.detach()
+        assert "zero_grad" not in model.__dict__
+        model.zero_grad()
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_the_models_zero_grad_keeps_an_open_logical_batch():
+    """Inside a BatchMemoryManager logical batch, zero_grad() keeps the chunks' sums: the model's too."""
+    torch.manual_seed(1)
+    model = nn.Linear(3, 2).double()
+    opt = _zero_noise_optimizer(model)
+    opt.signal_skip_step()
+    model(torch.randn(2, 3, dtype=torch.float64)).sum().backward()
+    opt.step()  # a non-final chunk: sums kept
+    model.zero_grad()
+    assert opt.engine.summed
+
+
+def test_a_dp_optimizer_refuses_to_be_copied_or_pickled():
+    """deepcopy, pickle and torch.save of a DPOptimizer failed at load with "no attribute
+    'original_optimizer'" (torch-feature review); a copy would share the module's hooks and the
+    noise key. Refused with the fix; the hooked model itself still pickles."""
+    import pickle
+
+    model = nn.Sequential(nn.Linear(3, 2))
+    opt = _zero_noise_optimizer(model)
+    for copy_it in (copy.deepcopy, pickle.dumps, copy.copy):
+        with pytest.raises(TypeError, match="save optimizer.state_dict"):
+            copy_it(opt)
+    again = pickle.loads(pickle.dumps(model))
+    opt.detach()
+    _zero_noise_optimizer(again).step()  # the unpickled model's leftover methods are replaced
+
+
+def test_detach_keeps_a_forward_the_user_set_over_the_hooked_one():
+    """detach() popped whatever forward the instance held, a wrapper the user set after hooking (a
+    LoRA-style patch) included (torch-feature review). It removes its own only; the wrapper's captured
+    hooked forward then runs the plain one."""
+    torch.manual_seed(2)
+    layer = nn.Linear(3, 2)
+    model = nn.Sequential(layer)
+    opt = _zero_noise_optimizer(model)
+    hooked = layer.forward
+    layer.forward = lambda x: hooked(x) * 10
+    x = torch.randn(4, 3)
+    opt.detach()
+    assert torch.equal(model(x), F_linear(x, layer) * 10)
+    model(x).sum().backward()  # the captured forward runs plain: autograd gives the weight its gradient
+    assert layer.weight.grad is not None and not opt.engine._pending
+
+
+def F_linear(x, layer):
+    return torch.nn.functional.linear(x, layer.weight, layer.bias)
