@@ -50,17 +50,29 @@ def state_dict(*, model: nn.Module, optimizer, data_loader=None, include_secrets
     if optimizer.engine.summed:
         raise RuntimeError("clipped gradients are pending (backward() ran since the last step()): "
                            "checkpoint after optimizer.step() or zero_grad()")
+    if optimizer.resumable_failed_step():
+        raise RuntimeError("the last step() raised part-way, neither undone nor finished, which a checkpoint "
+                           "cannot hold: retry step(), or give the step up with zero_grad(), then checkpoint")
     if data_loader is False:  # as load takes it: no loader position
         data_loader = None
     elif data_loader is None:
         data_loader = optimizer.loader
     data_loader = _poisson_loader(data_loader)
+    loader_state = None
+    if data_loader is not None:
+        loader_state = data_loader.state_dict(include_secrets)
+        ledger = data_loader.ledger
+        if data_loader is optimizer.loader and not optimizer.engine.pass_batches and ledger.taken > ledger.stepped_at:
+            # taken since the last step and not trained on yet (a save at the top of the loop body): the
+            # resumed run draws it again, as the uninterrupted run goes on to train on it. Only an attached
+            # loader's steps are known (attach_loader)
+            loader_state["position"] = ledger.stepped_at
     return {
         "format": FORMAT,
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(include_secrets),
         "noise_multiplier": optimizer.noise_multiplier,
-        "data_loader": None if data_loader is None else data_loader.state_dict(include_secrets),
+        "data_loader": loader_state,
     }
 
 

@@ -157,7 +157,7 @@ class DistributedDPOptimizer(DPOptimizer):
         rank 0's noise covers rank 0's sensitivity only, and replicas dividing by different sizes drift apart.
         One small MAX all-reduce of each setting and its negation (so both the largest and smallest arrive).
         First, on this rank alone: a retry of a step that failed midway, which may find the ranks out of step."""
-        if self._unfinished is not None and self._unfinished.key == self._retry_key():
+        if self.resumable_failed_step():
             raise RuntimeError(
                 "a step that failed midway cannot be retried in a data-parallel run (a rank that failed alone left "
                 "the others in their collectives): give it up with zero_grad() on every rank, or restart the ranks "

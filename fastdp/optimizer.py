@@ -397,7 +397,7 @@ class DPOptimizer(torch.optim.Optimizer):
         # failing) resumes where it stopped if retried on the same clipped sums, before any other pass or
         # batch: the batch is not closed or counted twice, its sums released once.
         key = self._retry_key()
-        done = self._unfinished.phase if self._unfinished is not None and self._unfinished.key == key else None
+        done = self._unfinished.phase if self.resumable_failed_step() else None
         if done is None:
             self._close_loader_step()
             self._unfinished = _UnfinishedStep(key, "closed")
@@ -424,6 +424,10 @@ class DPOptimizer(torch.optim.Optimizer):
         for hook in self._step_hooks:
             hook(self)
         return loss
+
+    def resumable_failed_step(self) -> bool:
+        """A step raised part-way and a retry of ``step()`` would resume it (nothing changed since)."""
+        return self._unfinished is not None and self._unfinished.key == self._retry_key()
 
     def _retry_key(self) -> tuple:
         """What a retried step must find unchanged since it failed: the clipped sums (any backward pass
