@@ -517,6 +517,29 @@ class DPOptimizer(torch.optim.Optimizer):
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
+    def _check_wrapped_state(self, state) -> None:
+        """Refuse the state of another optimizer type before torch's load, which replaces the groups
+        first and raises after, or not at all (an SGD state in an Adam left it without betas, its next
+        step counted and then failing). The saved groups' settings, with what the wrapped optimizer's
+        ``__setstate__`` fills in for states of older torch versions, must cover its own."""
+        saved = state.get("param_groups") if isinstance(state, dict) else None
+        groups = self.original_optimizer.param_groups
+        if not isinstance(saved, list) or len(saved) != len(groups) or not all(isinstance(g, dict) for g in saved):
+            return  # torch refuses these before changing anything
+        kind = type(self.original_optimizer)
+        probe = kind.__new__(kind)
+        probe.defaults = {}
+        try:
+            probe.__setstate__({"state": {}, "param_groups": [{**g, "params": []} for g in saved]})
+        except Exception:  # an optimizer whose __setstate__ needs more than torch's do: torch's load decides
+            return
+        missing = sorted({k for group in groups for k in group} - {k for group in probe.param_groups for k in group})
+        if missing:
+            raise ValueError(
+                f"the state's wrapped optimizer has no {missing} in its parameter groups: it is not a state of "
+                f"this {type(self.original_optimizer).__name__} (a checkpoint of another optimizer type?); wrap the "
+                "optimizer the checkpoint was taken with")
+
     def _load_state(self, state_dict) -> None:
         if not isinstance(state_dict, dict) or "noise_seed_state" not in state_dict:
             raise ValueError(
@@ -529,6 +552,7 @@ class DPOptimizer(torch.optim.Optimizer):
                              "torch.Generator: it cannot resume the same noise stream; resume with that version "
                              "or start the run again")
         draws, key = int(seeds["draws"]), seeds.get("key")
+        self._check_wrapped_state(state_dict["optimizer"])
         history = state_dict.get("accountant")
         if history is not None and self.accountant is None and getattr(self, "rank", 0) == 0:
             raise ValueError("the state holds an accountant history but this optimizer has no accountant: "

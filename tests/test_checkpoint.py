@@ -447,3 +447,30 @@ def test_a_checkpoint_is_refused_while_a_failed_step_can_be_resumed():
     opt.step()  # the retry finishes it
     assert opt.steps == 2 and len(opt.accountant) == 2
     checkpoint.state_dict(model=model, optimizer=opt)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_a_state_of_another_wrapped_optimizer_type_is_refused_and_changes_nothing(momentum):
+    """An SGD run's state loaded into a DPOptimizer wrapping Adam: a KeyError (with momentum buffers) or
+    nothing at all (without), leaving Adam's groups without betas, its next step counted and then failing
+    (checkpoint review). Refused before anything changes; a state of the same type from an older torch
+    (groups without the newer settings, which Adam fills in) still loads."""
+    model, opt, loader = build(seed=3)
+    opt.original_optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+    train(model, opt, loader, 2)
+    state = roundtrip(checkpoint.state_dict(model=model, optimizer=opt, data_loader=loader))
+    model2, opt2, loader2 = build(seed=3, model_seed=1)  # wraps Adam
+    before = [dict(g) for g in opt2.param_groups]
+    with pytest.raises(ValueError, match=r"no \['betas', 'eps'\] in its parameter groups"):
+        checkpoint.load_state_dict(state, model=model2, optimizer=opt2, data_loader=loader2)
+    assert [dict(g) for g in opt2.param_groups] == before and opt2.steps == 0
+    train(model2, opt2, loader2, 1)
+    assert opt2.steps == len(opt2.accountant) == 1
+    # the same type, saved by an older torch: its groups lack the settings added since, which Adam fills in
+    model3, opt3, loader3 = build(seed=3, model_seed=2)
+    train(model3, opt3, loader3, 1)
+    old = roundtrip(opt3.state_dict())
+    for group in old["optimizer"]["param_groups"]:
+        for newer in ("decoupled_weight_decay", "capturable", "differentiable", "fused", "foreach", "maximize"):
+            group.pop(newer, None)
+    opt3.load_state_dict(old)
