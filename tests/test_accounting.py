@@ -24,7 +24,7 @@ from fastdp.accounting import (
     calibrate_noise,
     make_accountant,
 )
-from fastdp.accounting.pld import gaussian_epsilon, subsampled_gaussian_pld
+from fastdp.accounting.pld import MAX_INTERVAL, gaussian_epsilon, subsampled_gaussian_pld
 from fastdp.accounting.rdp import log_a, rdp_subsampled_gaussian, rdp_to_epsilon
 
 ACCOUNTANTS = ["rdp", "pld"]
@@ -493,3 +493,26 @@ def test_pld_falling_back_to_rdp_gives_no_advice_it_cannot_take():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert math.isfinite(acc.epsilon(1e-5))
+
+
+@pytest.mark.parametrize("sigma", [1e-5, 1.5e-5, 2e-5, 3e-5])
+def test_pld_at_tiny_noise_is_still_an_upper_bound(sigma):
+    """At sigma ~ 2e-5 the PLD grid was sized from the unclipped loss range: its interval grew to
+    hundreds, the thresholds overflowed e^709 and the mass above the grid was dropped, so epsilon read
+    2236 where a sampled example alone loses ~1/(2 sigma^2) = 1.25e9 (probability 0.096 > delta); below
+    it an OverflowError (checkpoint review). The grid is sized from the clipped range, and where none
+    fits the RDP bound is reported."""
+    q, steps, delta = 0.01, 10, 1e-5
+    sampled_loss = 1 / (2 * sigma**2) + math.log(q)  # a sampled example's loss at the mean of its output
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert accounting.epsilon(sigma, q, steps, delta, accountant="pld") >= 0.5 * sampled_loss
+    with pytest.raises(ValueError, match="interval must lie in"):
+        subsampled_gaussian_pld(sigma, q, "remove", 2 * MAX_INTERVAL, 1e-12)
+
+
+@pytest.mark.parametrize("accountant", ["pld", "rdp"])
+def test_noise_so_large_its_square_overflows_costs_nothing(accountant):
+    """sigma past 1.34e154 raised OverflowError (sigma**2) in both accountants (checkpoint review)."""
+    for sigma in (1e155, 1e300):
+        assert accounting.epsilon(sigma, 0.5, 10, 1e-5, accountant=accountant) == 0.0

@@ -93,8 +93,10 @@ def merge_history(entries: Iterable[HistoryEntry]) -> List[HistoryEntry]:
 
 
 def is_trivial(sigma: float, q: float) -> bool:
-    """True when a step leaks nothing: nobody is sampled (q = 0) or the noise is infinite."""
-    return q == 0.0 or math.isinf(sigma)
+    """True when a step leaks nothing: nobody is sampled (q = 0) or the noise is infinite, or so
+    large that sigma^2 overflows float64 (sigma > 1.3e154: a privacy loss under 1e-308 a step,
+    where the accountants' formulas break down)."""
+    return q == 0.0 or math.isinf(sigma * sigma)
 
 
 # --------------------------------------------------------------------------- base class

@@ -141,6 +141,7 @@ def pld_epsilon(pld: DiscretePLD, delta: float) -> float:
 
 # --------------------------------------------------------------------------- one step
 MAX_LOSS = 600.0  # grid losses stay below this: e^loss must not overflow float64 (e^709)
+MAX_INTERVAL = 100.0  # the grid's last point, the first past MAX_LOSS, stays below e^709 too
 
 def _loss_range(direction: str, sigma: float, q: float, tail: float) -> Tuple[float, float]:
     """Losses between which all but ``tail`` of P's mass lies (each side)."""
@@ -152,9 +153,17 @@ def _loss_range(direction: str, sigma: float, q: float, tail: float) -> Tuple[fl
     return -_remove_loss(x_hi, sigma, q), -_remove_loss(x_lo, sigma, q)
 
 
+def _clipped_loss_range(direction: str, sigma: float, q: float, tail: float) -> Tuple[float, float]:
+    """:func:`_loss_range` within [-MAX_LOSS, MAX_LOSS]: beyond, e^loss overflows; the mass above goes
+    to +inf and the mass below is rounded up onto the first point, both pessimistic (only very small
+    sigma gets there)."""
+    lo_loss, hi_loss = _loss_range(direction, sigma, q, tail)
+    return min(max(lo_loss, -MAX_LOSS), MAX_LOSS), min(max(hi_loss, -MAX_LOSS), MAX_LOSS)
+
+
 def _remove_loss(x: float, sigma: float, q: float) -> float:
     """log(1 - q + q exp((2x - 1) / (2 sigma^2))), computed without overflow."""
-    u = (2.0 * x - 1.0) / (2.0 * sigma**2)
+    u = (2.0 * x - 1.0) / (2.0 * (sigma * sigma))
     if q == 1.0:
         return u
     return float(np.logaddexp(math.log1p(-q), math.log(q) + u))
@@ -164,7 +173,7 @@ def _threshold_remove(losses: np.ndarray, sigma: float, q: float) -> np.ndarray:
     """x with L_remove(x) = loss (L_remove increasing in x); -inf below log(1 - q)."""
     t = np.expm1(losses) + q  # e^l - (1 - q)
     with np.errstate(divide="ignore", invalid="ignore"):
-        x = sigma**2 * (np.log(t) - math.log(q)) + 0.5
+        x = (sigma * sigma) * (np.log(t) - math.log(q)) + 0.5
     return np.where(t > 0, x, -np.inf)
 
 
@@ -175,7 +184,7 @@ def _threshold_add(losses: np.ndarray, sigma: float, q: float) -> np.ndarray:
     """
     t = np.expm1(-losses) + q  # e^-l - (1 - q)
     with np.errstate(divide="ignore", invalid="ignore"):
-        x = sigma**2 * (np.log(t) - math.log(q)) + 0.5
+        x = (sigma * sigma) * (np.log(t) - math.log(q)) + 0.5
     return np.where(t > 0, x, -np.inf)
 
 
@@ -190,10 +199,10 @@ def subsampled_gaussian_pld(
     """
     if direction not in DIRECTIONS:
         raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
-    lo_loss, hi_loss = _loss_range(direction, sigma, q, tail)
-    # Beyond MAX_LOSS e^loss overflows: the mass above goes to +inf and the mass below is
-    # rounded up onto the first point, both pessimistic (only very small sigma gets there).
-    lo_loss, hi_loss = min(max(lo_loss, -MAX_LOSS), MAX_LOSS), min(max(hi_loss, -MAX_LOSS), MAX_LOSS)
+    if not 0 < interval <= MAX_INTERVAL:
+        raise ValueError(f"interval must lie in (0, {MAX_INTERVAL}], got {interval!r}: a coarser grid's last "
+                         "point passes e^709, where its thresholds overflow and the mass above it is lost")
+    lo_loss, hi_loss = _clipped_loss_range(direction, sigma, q, tail)
     i0 = math.floor(lo_loss / interval)
     i1 = max(math.ceil(hi_loss / interval), i0 + 1)
     idx = np.arange(i0, i1 + 1, dtype=np.float64)
@@ -497,7 +506,7 @@ class PLDAccountant(Accountant):
 
     def _compute(self, counts: Dict[Tuple[float, float], int], delta: float) -> float:
         if all(q == 1.0 for _, q in counts):
-            mu = math.sqrt(sum(steps / sigma**2 for (sigma, _), steps in counts.items()))
+            mu = math.sqrt(sum(steps / (sigma * sigma) for (sigma, _), steps in counts.items()))
             return gaussian_epsilon(mu, delta)
         epsilon = max(self.direction_epsilons(counts, delta).values())
         # Both are upper bounds, so the smaller one holds. The grid's bound is the looser one
@@ -527,10 +536,12 @@ class PLDAccountant(Accountant):
         window_tail = budget / 4.0  # per side
         h = self.value_interval
         for _ in range(20):
+            if h > MAX_INTERVAL:  # no grid fits: no bound from it (the accountant then reports RDP's)
+                return DiscretePLD(offset=0, probs=np.zeros(1), interval=MAX_INTERVAL, inf_mass=1.0)
             groups = []
             widths = []
             for sigma, q in counts:
-                lo_loss, hi_loss = _loss_range(direction, sigma, q, step_tail)
+                lo_loss, hi_loss = _clipped_loss_range(direction, sigma, q, step_tail)
                 widths.append((hi_loss - lo_loss) / h)
             if max(widths) > self.max_fft_size:
                 h *= 1.25 * max(widths) / self.max_fft_size

@@ -67,7 +67,7 @@ def _log_a_integer(q: float, sigma: float, alpha: int) -> float:
     """log A_alpha for integer alpha >= 1 by the finite binomial sum (0 < q < 1)."""
     k = np.arange(alpha + 1, dtype=np.float64)
     log_binom = special.gammaln(alpha + 1.0) - special.gammaln(k + 1.0) - special.gammaln(alpha - k + 1.0)
-    terms = log_binom + k * math.log(q) + (alpha - k) * math.log1p(-q) + (k * k - k) / (2.0 * sigma**2)
+    terms = log_binom + k * math.log(q) + (alpha - k) * math.log1p(-q) + (k * k - k) / (2.0 * (sigma * sigma))
     return float(special.logsumexp(terms))
 
 
@@ -81,8 +81,8 @@ def _log_a_fractional(q: float, sigma: float, alpha: float, rel_tol_log: float =
     term).
     """
     log_q, log_1mq = math.log(q), math.log1p(-q)
-    z0 = sigma**2 * (log_1mq - log_q) + 0.5
-    s2 = 2.0 * sigma**2
+    z0 = (sigma * sigma) * (log_1mq - log_q) + 0.5
+    s2 = 2.0 * (sigma * sigma)
     lg_alpha1 = special.gammaln(alpha + 1.0)
     first_negative = math.ceil(alpha)  # C(alpha, i) < 0 exactly when i > alpha and i - ceil(alpha) odd
 
@@ -133,7 +133,7 @@ def log_a(q: float, sigma: float, alpha: float) -> float:
     if sigma == 0.0:
         return math.inf
     if q == 1.0:  # plain Gaussian: D_alpha(N(1,s^2) || N(0,s^2)) = alpha / (2 s^2)
-        return (alpha - 1.0) * alpha / (2.0 * sigma**2)
+        return (alpha - 1.0) * alpha / (2.0 * (sigma * sigma))
     # A_alpha >= 1 (Jensen): a log below 0 is round-off (sigma ~1e6 or q ~1e-16), which the
     # epsilon conversion would refuse as a negative RDP value
     if float(alpha).is_integer():
