@@ -660,6 +660,9 @@ def run(args) -> int:
     methods = _split(args.methods, METHODS, "method(s)")
     if methods and any(m.startswith("opacus-") for m in methods) and not _have("opacus"):
         raise SystemExit(f"fastdp bench: the requested Opacus methods need Opacus. {_OPACUS_HINT}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("fastdp bench: --device cuda, but this torch sees no CUDA GPU (a CPU build, or no "
+                         "device visible); use --device cpu")
     if args.clock == "cpu" and args.device == "cuda":
         raise SystemExit("fastdp bench: --clock cpu does not time CUDA kernels; use --clock wall on CUDA")
     if args.plot and not _have("matplotlib"):

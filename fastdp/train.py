@@ -195,6 +195,11 @@ def train(config: TrainConfig) -> TrainResult:
         raise TrainConfigError(f"target epsilon {cfg.target_epsilon:g} cannot be met in {cfg.epochs} epochs at "
                                f"batch size {cfg.batch_size} with any noise ({exc}); raise --target-epsilon or "
                                "lower --epochs or --batch-size") from None
+    try:  # as the first step would, before any data is trained on
+        optimizer._check_noise_fits_parameters()
+    except ValueError as exc:
+        optimizer.detach()
+        raise TrainConfigError(f"--max-grad-norm {cfg.max_grad_norm:g}: {exc}") from None
     steps_per_epoch = len(loader)
     result = TrainResult(metrics={})
     criterion = nn.CrossEntropyLoss()

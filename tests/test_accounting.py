@@ -442,6 +442,18 @@ def test_cli_reports_bad_input(capsys):
     assert "sample_rate must lie in [0, 1]" in capsys.readouterr().err
 
 
+def test_cli_reports_values_past_float64s_range_as_errors(capsys, monkeypatch):
+    """An OverflowError inside an accountant ended the CLI in a traceback (checkpoint review)."""
+    def overflow(*args, **kwargs):
+        raise OverflowError("math range error")
+
+    import fastdp.accounting.cli as cli
+
+    monkeypatch.setattr(cli, "epsilon", overflow)
+    assert _cli(["epsilon", "--noise-multiplier", "1", "--sample-rate", "0.5", "--steps", "10"]) == 2
+    assert "fastdp epsilon: error: math range error" in capsys.readouterr().err
+
+
 def test_cli_is_wired_into_fastdp_main(capsys):
     from fastdp.cli import main
 

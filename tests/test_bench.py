@@ -3,6 +3,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from fastdp.cli import main
 
@@ -30,6 +31,13 @@ def test_bench_quick_json(tmp_path, capsys):
     assert rows[("wide-linear", "fastdp-reference")]["ops"]["linear_sq_norms_ghost"] == "reference"
     assert "| wide-linear | loop |" in md.read_text()
     assert "| mlp | fastdp-reference |" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is present")
+def test_bench_on_cuda_without_a_gpu_is_a_message():
+    """An AssertionError traceback from torch.cuda (checkpoint review)."""
+    with pytest.raises(SystemExit, match="--device cuda, but this torch sees no CUDA GPU"):
+        main(["bench", "--quick", "--device", "cuda"])
 
 
 def test_bench_rejects_unknown_method():

@@ -168,6 +168,8 @@ def test_a_batch_larger_than_the_subset_is_a_message_not_a_traceback():
     (["--target-epsilon", "1e-7", "--epochs", "1"], "target epsilon 1e-07 cannot be met in 1 epochs"),
     (["--data-dir", "/nonexistent"], "--data-dir is for fashion-mnist"),
     (["--subset", "100000"], "--subset 100000: expected a number of training examples from 1 to"),
+    # a traceback at the first step, after loading and calibrating (checkpoint review)
+    (["--max-grad-norm", "1e39"], "--max-grad-norm 1e\\+39: the noise on the torch.float32 parameters"),
 ])
 def test_arguments_the_run_cannot_honour_are_messages(argv, says):
     """An unreachable target ended in a traceback advising an option the CLI lacks, and

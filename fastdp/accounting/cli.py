@@ -33,7 +33,7 @@ def _run_epsilon(args: argparse.Namespace) -> int:
         for name in names:
             eps = epsilon(args.noise_multiplier, args.sample_rate, args.steps, args.delta, accountant=name)
             print(f"epsilon ({name}): {eps:.6g}  [delta={args.delta:g}]")
-    except ValueError as exc:
+    except (ValueError, OverflowError) as exc:  # OverflowError: a float past float64's range
         print(f"fastdp epsilon: error: {exc}", file=sys.stderr)
         return 2
     return 0
@@ -46,7 +46,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         )
         sigma = _round_up(sigma)  # what is printed must still meet the target
         eps = epsilon(sigma, args.sample_rate, args.steps, args.delta, accountant=args.accountant)
-    except ValueError as exc:
+    except (ValueError, OverflowError) as exc:  # OverflowError: a float past float64's range
         print(f"fastdp calibrate: error: {exc}", file=sys.stderr)
         return 2
     print(f"noise multiplier: {sigma!r}")
