@@ -398,12 +398,14 @@ class ConvRule(LayerRule):
     def _slack(self, rec: Record) -> torch.Tensor:
         """A bound on ``sum_t |a_t| |g_t|`` over positions and groups (a_t a patch): each input element
         is in at most prod(kernel) patches, so by Cauchy-Schwarz ``sqrt(prod(kernel)) |x_i| |g_i|``, x_i
-        taken over the elements some patch reads (a NaN where no output looks is no part of the gradient)."""
+        taken over the elements some patch reads where the whole input is not finite (a NaN where no output
+        looks is no part of the gradient; elsewhere the whole input's norm, a looser bound, saves a pass)."""
         x, spec, _ = self._shapes(rec)
         read = _read_mask(tuple(x.shape[2:]), spec.key(), x.device)
-        if read is not None:
-            x = x.masked_fill(~read, 0)
-        return (sq_norms_of(x) * sq_norms_of(rec.grad_output)).sqrt_().mul_(math.sqrt(math.prod(spec.kernel)))
+        x_sq = None if read is not None and x.is_cuda else sq_norms_of(x)  # no host sync on a GPU
+        if read is not None and (x_sq is None or not bool(torch.isfinite(x_sq).all())):
+            x_sq = sq_norms_of(x.masked_fill(~read, 0))
+        return (x_sq * sq_norms_of(rec.grad_output)).sqrt_().mul_(math.sqrt(math.prod(spec.kernel)))
 
     def _with_rounding_allowance(self, rec: Record, sq_norms: torch.Tensor) -> torch.Tensor:
         """:func:`with_rounding_allowance` for the weight's clipped-sum convolution."""
