@@ -140,14 +140,18 @@ class GradSampleEngine:
         signature = inspect.signature(plain.__get__(module))
 
         known = self._module_param_ids
+        names = rule.param_names
+        attributes = module.__dict__
 
         def forward(owner, *args, **kwargs):
             # plain for a copy of the module, without grad, or once detached (a wrapper that kept this forward)
             params = rule.trainable(module) if owner is module and torch.is_grad_enabled() and self._patched else None
-            # plain also where the layer holds tensors other than the model's parameters
-            # (torch.func.functional_call): autograd then gives them their gradients, and one
-            # reaching a private parameter is refused as written outside its layer
-            if not params or any(id(p) not in known for p in params.values()):
+            # plain also where the layer holds tensors other than the model's parameters (torch.func.functional_call),
+            # or one of its parameters' names is a tensor set by hand (a weight computed from another parameter before
+            # each call): autograd then gives what it comes from its gradient, and one reaching a private parameter is
+            # refused as written outside its layer
+            if (not params or any(id(p) not in known for p in params.values())
+                    or any(isinstance(attributes.get(n), torch.Tensor) for n in names)):
                 return plain(owner, *args, **kwargs)
             if kwargs:  # by the layer's own argument names (nn.Linear(...)(input=x)): passed on by position
                 args, kwargs = signature.bind(*args, **kwargs).args, {}
@@ -234,7 +238,9 @@ class GradSampleEngine:
                 "combines a layer's calls sample by sample, so sample i of each chunk would be clipped "
                 "together; call backward() on each chunk's loss (or pass the batch whole). Two views of each "
                 "sample concatenated on dim 0 (torch.cat([v1, v2])) count as two samples: pass them as separate "
-                "tensors, or stacked on dim 1")
+                "tensors, or stacked on dim 1. A loop over time steps of a (B*T, d) tensor viewed as (B, T, d), "
+                "y[:, t], looks the same: if every call does see each sample once, in order, give each step's "
+                "input its own tensor (y[:, t].contiguous())")
 
     # -- after each backward pass ---------------------------------------------------------
     def _finish_backward(self) -> None:
@@ -473,9 +479,9 @@ class GradSampleEngine:
             name = self.names.get(p, "?")
             raise UnsupportedModuleError(
                 f"parameter '{name}' received a gradient from outside its layer's forward (e.g. "
-                f"F.linear(x, module.weight), module.weight used directly, or torch.func.functional_call "
-                "with tensors computed from it), which fastdp cannot clip per sample; call the module "
-                "itself instead of reading its parameters"
+                f"F.linear(x, module.weight), module.weight used directly, a layer's weight set by hand from it, "
+                "or torch.func.functional_call with tensors computed from it), which fastdp cannot clip per "
+                "sample; call the module itself instead of reading its parameters"
             )
 
     # -- for the optimizer -----------------------------------------------------------------

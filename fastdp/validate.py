@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
+from torch.nn.modules.lazy import LazyModuleMixin
 
 from fastdp.layers import UnsupportedModuleError, rule_for, supported_types
 
@@ -37,6 +38,10 @@ def find_problems(module: nn.Module, params: Optional[Iterable[torch.Tensor]] = 
                 " or freeze what it is computed from (the layer's other parameters may train)")
             continue
         trainable = [n for n, p in child.named_parameters(recurse=False) if p.requires_grad]
+        if isinstance(child, LazyModuleMixin) and child.has_uninitialized_params():
+            problems.append(f"{where} has not made its parameters yet (a lazy layer): run one forward pass on a "
+                            "sample batch before building the optimizer")
+            continue
         if isinstance(child, _BatchNorm):
             problems.append(
                 f"{where}: BatchNorm mixes the samples of a batch, so per-sample gradients do not "

@@ -768,3 +768,33 @@ def test_attach_accountant_refuses_a_sample_rate_batches_cannot_be_drawn_at(rate
     with pytest.raises(ValueError, match=r"sample_rate must be in \(0, 1\]"):
         opt.attach_accountant(accountant, rate)
     assert opt.accountant is None
+
+
+def test_a_layer_weight_set_by_hand_from_another_parameter_is_refused_not_dropped():
+    """dec.weight = enc.weight.t() before each call (a tied-transpose autoencoder), with dec's bias
+    registered: the hooked forward ran and dropped the gradient reaching enc.weight through dec
+    (layer sweep review). The layer runs plain and that gradient is refused as foreign."""
+    class TiedAutoencoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc, self.dec = nn.Linear(4, 6), nn.Linear(6, 4)
+            del self.dec.weight
+
+        def forward(self, x):
+            self.dec.weight = self.enc.weight.t()
+            return self.dec(torch.tanh(self.enc(x)))
+
+    model = TiedAutoencoder()
+    opt = make(model, max_grad_norm=1.0, noise_multiplier=0.0)
+    with pytest.raises(fastdp.UnsupportedModuleError, match="'enc.weight' received a gradient from outside"):
+        model(torch.randn(4, 4)).sum().backward()
+        opt.step()
+
+
+def test_a_lazy_layer_not_yet_built_is_refused_with_the_fix():
+    """LazyLinear before its first forward read as a layer fastdp has no rule for (layer sweep review)."""
+    model = nn.Sequential(nn.LazyLinear(3), nn.Tanh(), nn.Linear(3, 2))
+    with pytest.raises(fastdp.UnsupportedModuleError, match="run one forward pass on a sample batch"):
+        make(model, max_grad_norm=1.0, noise_multiplier=1.0)
+    model(torch.randn(2, 5))
+    make(model, max_grad_norm=1.0, noise_multiplier=1.0).step()
