@@ -528,3 +528,12 @@ def test_noise_so_large_its_square_overflows_costs_nothing(accountant):
     """sigma past 1.34e154 raised OverflowError (sigma**2) in both accountants (checkpoint review)."""
     for sigma in (1e155, 1e300):
         assert accounting.epsilon(sigma, 0.5, 10, 1e-5, accountant=accountant) == 0.0
+
+
+@pytest.mark.parametrize("accountant", ["pld", "rdp"])
+def test_noise_so_small_its_square_underflows_is_no_privacy(accountant):
+    """sigma below ~1.5e-154: 2 sigma^2 became subnormal, the fractional-order series turned NaN after
+    50 million terms (minutes) and max(0.0, nan) read 0: epsilon 0.0 (bench review)."""
+    for sigma in (1e-155, 1e-300):
+        assert accounting.epsilon(sigma, 0.5, 10, 1e-5, accountant=accountant) == math.inf
+    assert log_a(0.5, 1e-160, 1.5) == math.inf

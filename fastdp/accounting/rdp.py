@@ -27,6 +27,7 @@ KL divergence is at most any RDP with alpha >= 1).
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from typing import Iterable, List, Optional, Sequence, Tuple
 
@@ -126,19 +127,20 @@ def log_a(q: float, sigma: float, alpha: float) -> float:
     """log E_{mu0}[(mu/mu0)^alpha] for one Poisson-subsampled Gaussian step.
 
     ``alpha > 1``; ``q`` in [0, 1]; ``sigma >= 0``.  Returns 0 for q = 0 and inf for
-    sigma = 0 < q.
+    sigma = 0 < q, or a sigma whose square is below float64's normal range (a sampled example's
+    loss past 1/(2 sigma^2) = 2e307, where the series' terms turned NaN and the result read 0).
     """
     if q == 0.0 or math.isinf(sigma):
         return 0.0
-    if sigma == 0.0:
+    if sigma * sigma < sys.float_info.min:
         return math.inf
     if q == 1.0:  # plain Gaussian: D_alpha(N(1,s^2) || N(0,s^2)) = alpha / (2 s^2)
         return (alpha - 1.0) * alpha / (2.0 * (sigma * sigma))
     # A_alpha >= 1 (Jensen): a log below 0 is round-off (sigma ~1e6 or q ~1e-16), which the
     # epsilon conversion would refuse as a negative RDP value
-    if float(alpha).is_integer():
-        return max(0.0, _log_a_integer(q, sigma, int(alpha)))
-    return max(0.0, _log_a_fractional(q, sigma, float(alpha)))
+    value = _log_a_integer(q, sigma, int(alpha)) if float(alpha).is_integer() else _log_a_fractional(
+        q, sigma, float(alpha))
+    return math.inf if math.isnan(value) else max(0.0, value)  # max(0.0, nan) would be 0.0
 
 
 def _check_orders(orders: Iterable[float]) -> np.ndarray:
