@@ -3,8 +3,9 @@
     .venv/bin/python bench/kernels_table.py            # CPU: native (C++) kernels
     .venv/bin/python bench/kernels_table.py --cuda     # GPU: Triton and CUDA C++ kernels
 
-A ratio above 1 means the kernel is faster. CPU: best of ``--repeat`` runs after a
-warm-up. GPU: median of CUDA-event timings (``triton.testing.do_bench``). The "extra MiB"
+A ratio above 1 means the kernel is faster. On the "conv direct + input grad" rows the
+"torch ms" column is the unfused pair, the native direct kernel plus aten's input gradient,
+against the kernel writing both. CPU: best of ``--repeat`` runs after a warm-up. GPU: median of CUDA-event timings (``triton.testing.do_bench``). The "extra MiB"
 column (GPU only) is the peak memory a call allocates beyond its inputs, reference / kernel.
 """
 from __future__ import annotations
@@ -149,7 +150,7 @@ def conv_rows(impls, device, repeat, timer, sync):
             yield f"conv {route} {name}", t_ref, t_k, f"kernel/weight-grad {t_k / t_weight:.2f}"
         t_input = timer(routes["input gradient"], repeat, sync)
         t_both = timer(routes["native direct, input gradient"], repeat, sync)
-        yield (f"conv direct + input grad {name}", t_k + t_input, t_both,
+        yield (f"conv direct + input grad {name}", t_k + t_input, t_both,  # "torch": native direct + aten dx
                f"added/aten input-grad {(t_both - t_k) / t_input:.2f}")
 
 
@@ -195,6 +196,8 @@ def main() -> None:
     parser.add_argument("--cuda", action="store_true", help="time the Triton and CUDA C++ kernels on the GPU")
     parser.add_argument("--repeat", type=int, default=20)
     args = parser.parse_args()
+    if args.cuda and not torch.cuda.is_available():
+        raise SystemExit("kernels_table.py: --cuda, but this torch sees no CUDA GPU; run without --cuda")
     ops._load_backends()
     registered = lambda backend, dev: {  # noqa: E731
         op: fn for op, by in ops._REGISTRY.items() for (b, d), fn in by.items() if (b, d) == (backend, dev)}

@@ -28,12 +28,15 @@ def cdiv(n: int, k: int) -> int:
 
 
 def extra_mib(b, t, d, p, threads, elem=4):
-    """Extra bytes of (ghost ref, direct ref, native ghost, native direct), in MiB."""
-    ghost_ref = 2 * b * t * t * elem
-    direct_ref = b * p * d * elem
+    """Extra bytes of (ghost ref, direct ref, native ghost, native direct), in MiB, from the
+    allocations in ops.py and csrc/linear_norms.cpp: the ghost routes work in float64 (the
+    reference on float64 copies of a and g and two float64 Grams; the kernel on float64 tiles),
+    the direct reference squares its float32 per-sample gradients in float64."""
+    ghost_ref = (b * t * (d + p) * 8 if elem != 8 else 0) + 2 * b * t * t * 8
+    direct_ref = b * p * d * elem + (b * p * d * 8 if elem != 8 else 0)
     lanes = 64 // elem
-    ghost = 8 * b * cdiv(t, TILE) + threads * (TILE * (d + p) + 2 * TILE * TILE) * elem
-    direct = 8 * b * cdiv(p, TILE) * cdiv(d, TILE) + threads * (CHUNK * lanes + TILE * TILE) * elem
+    ghost = 8 * b * cdiv(t, TILE) + threads * (TILE * (d + p) + 2 * TILE * TILE) * 8
+    direct = 8 * b * cdiv(p, TILE) * cdiv(d, TILE) + threads * (2 * CHUNK * lanes + TILE * TILE) * elem
     return [x / 2**20 for x in (ghost_ref, direct_ref, ghost, direct)]
 
 

@@ -1,7 +1,7 @@
 """Peers benchmark: DP-SGD step time and memory of fastdp, the per-example loop, torch.func
 and Opacus against a non-private step. Same options as ``fastdp bench``; e.g.
 
-    python bench/peers.py --markdown bench/RESULTS.md --plot bench/results.png
+    python bench/peers.py --markdown /tmp/peers.md --plot /tmp/peers.png   (a new file: --markdown overwrites it)
 """
 import sys
 
