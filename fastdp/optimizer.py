@@ -155,13 +155,14 @@ class DPOptimizer(torch.optim.Optimizer):
             return
         plain, optimizer = type(module).zero_grad, weakref.ref(self)
 
-        def zero_grad(owner, set_to_none: bool = True) -> None:
-            plain(owner, set_to_none)
+        def zero_grad(owner, *args, **kwargs):  # the class's own signature (an override may take no set_to_none)
+            out = plain(owner, *args, **kwargs)
             opt = optimizer()
             if owner is module and opt is not None and not opt._detached:
                 opt._drop_unstepped_sums()
+            return out
 
-        zero_grad.fastdp_module = module
+        zero_grad.fastdp_module, zero_grad.fastdp_optimizer = module, optimizer
         module.zero_grad = types.MethodType(zero_grad, module)
 
     # -- what torch.optim.Optimizer users and LR schedulers read --------------------------
@@ -477,7 +478,8 @@ class DPOptimizer(torch.optim.Optimizer):
         """Remove every hook from the module; this optimizer can no longer step privately."""
         self.engine.detach()
         module = self.engine.module
-        if getattr(module.__dict__.get("zero_grad"), "fastdp_module", None) is module:
+        ours = getattr(module.__dict__.get("zero_grad"), "fastdp_optimizer", lambda: None)()
+        if ours is self:  # not a later optimizer's, after an earlier detach()
             del module.zero_grad
         self._detached = True
 
@@ -533,7 +535,10 @@ class DPOptimizer(torch.optim.Optimizer):
             probe.__setstate__({"state": {}, "param_groups": [{**g, "params": []} for g in saved]})
         except Exception:  # an optimizer whose __setstate__ needs more than torch's do: torch's load decides
             return
-        missing = sorted({k for group in groups for k in group} - {k for group in probe.param_groups for k in group})
+        # the optimizer's own settings: not a scheduler's (initial_lr) or the user's keys, nor param_names,
+        # which torch's load carries over from the groups it loads into
+        settings = set(self.original_optimizer.defaults) - {"param_names"}
+        missing = sorted(settings - {k for group in probe.param_groups for k in group})
         if missing:
             raise ValueError(
                 f"the state's wrapped optimizer has no {missing} in its parameter groups: it is not a state of "

@@ -537,3 +537,12 @@ def test_noise_so_small_its_square_underflows_is_no_privacy(accountant):
     for sigma in (1e-155, 1e-300):
         assert accounting.epsilon(sigma, 0.5, 10, 1e-5, accountant=accountant) == math.inf
     assert log_a(0.5, 1e-160, 1.5) == math.inf
+
+
+def test_tiny_noise_at_sample_rate_one_and_near_the_underflow_answers():
+    """PLD at q = 1 raised OverflowError at sigma 1e-10 (its closed form cancels numbers of ~1e21), and
+    at sigma ~1e-153 the RDP series looped to its 50-million-term cap (regression review)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert accounting.epsilon(1e-10, 1.0, 10, 1e-5, accountant="pld") >= 1e19
+        assert log_a(0.5, 1e-153, 1.5) == math.inf

@@ -474,3 +474,20 @@ def test_a_state_of_another_wrapped_optimizer_type_is_refused_and_changes_nothin
         for newer in ("decoupled_weight_decay", "capturable", "differentiable", "fused", "foreach", "maximize"):
             group.pop(newer, None)
     opt3.load_state_dict(old)
+
+
+def test_same_type_states_load_whatever_extra_keys_their_groups_hold():
+    """Refused as another optimizer type: a state saved with parameters() loaded into an optimizer built
+    from named_parameters() (param_names), or one saved before an LR scheduler added initial_lr
+    (regression review). Only the optimizer's own settings are compared."""
+    model, opt, loader = build(seed=3)
+    train(model, opt, loader, 1)
+    state = roundtrip(opt.state_dict())
+    opt.detach()
+    named = fastdp.DPOptimizer(torch.optim.Adam(model.named_parameters(), lr=0.05), module=model,
+                               noise_multiplier=1.0, max_grad_norm=0.5, expected_batch_size=BATCH)
+    named.attach_accountant(make_accountant("pld"), BATCH / N)
+    named.load_state_dict(state)
+    opt2 = build(seed=3, model_seed=1)[1]
+    torch.optim.lr_scheduler.StepLR(opt2, step_size=2)  # adds initial_lr to the groups
+    opt2.load_state_dict(state)

@@ -539,3 +539,33 @@ def test_detach_keeps_a_forward_the_user_set_over_the_hooked_one():
 
 def F_linear(x, layer):
     return torch.nn.functional.linear(x, layer.weight, layer.bias)
+
+
+def test_the_zero_grad_hook_keeps_the_models_own_signature_and_a_later_optimizers_hook():
+    """A class's zero_grad(self) raised TypeError once hooked, and zero_grad(self, set_to_none=False) got
+    True; a second detach() of an old optimizer removed a newer one's hook (regression review)."""
+    class Net(nn.Sequential):
+        def zero_grad(self, set_to_none=False):
+            super().zero_grad(set_to_none)
+
+    class NoArgs(nn.Sequential):
+        def zero_grad(self):
+            super().zero_grad()
+
+    for cls in (Net, NoArgs):
+        model = cls(nn.Linear(3, 2))
+        model[0].weight.grad = torch.ones(2, 3)
+        old = _zero_noise_optimizer(model)
+        old.detach()
+        opt = _zero_noise_optimizer(model)
+        old.detach()  # again: leaves the newer optimizer's hook
+        model(torch.randn(4, 3)).sum().backward()
+        assert opt.engine.summed
+        model.zero_grad()
+        assert not opt.engine.summed
+        opt.detach()
+    model = Net(nn.Linear(3, 2))
+    _zero_noise_optimizer(model)
+    model[0].weight.grad = torch.ones(2, 3)
+    model.zero_grad()
+    assert model[0].weight.grad is not None and not model[0].weight.grad.any()  # its default, set_to_none=False

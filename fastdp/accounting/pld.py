@@ -507,8 +507,12 @@ class PLDAccountant(Accountant):
     def _compute(self, counts: Dict[Tuple[float, float], int], delta: float) -> float:
         if all(q == 1.0 for _, q in counts):
             mu = math.sqrt(sum(steps / (sigma * sigma) for (sigma, _), steps in counts.items()))
-            return gaussian_epsilon(mu, delta)
-        epsilon = max(self.direction_epsilons(counts, delta).values())
+            try:
+                return gaussian_epsilon(mu, delta)
+            except OverflowError:  # mu past ~1e10: its exp cancels numbers of ~mu^2; RDP's bound below
+                epsilon = math.inf
+        else:
+            epsilon = max(self.direction_epsilons(counts, delta).values())
         # Both are upper bounds, so the smaller one holds. The grid's bound is the looser one
         # where losses pass it (Inf: sigma of a few hundredths) and where its error floor
         # outgrows RDP's slack (measured: delta below ~1e-45, or ~1e9 steps); checked with a

@@ -27,7 +27,6 @@ KL divergence is at most any RDP with alpha >= 1).
 from __future__ import annotations
 
 import math
-import sys
 import warnings
 from typing import Iterable, List, Optional, Sequence, Tuple
 
@@ -111,6 +110,8 @@ def _log_a_fractional(q: float, sigma: float, alpha: float, rel_tol_log: float =
             total = float(log_pos + math.log1p(-math.exp(log_neg - log_pos)))
         else:  # cannot happen for an exact sum (A >= 1); guard against round-off
             total = 0.0
+        if math.isinf(total):  # a term past float64 (sigma ~1e-153): the loop's test would never pass
+            return math.inf
         # log(A - 1), the part of A that carries the privacy loss
         excess = -math.expm1(-total)  # (A - 1) / A, accurate for tiny A - 1
         scale = total + math.log(excess) if excess > 0.0 else -745.0
@@ -123,16 +124,19 @@ def _log_a_fractional(q: float, sigma: float, alpha: float, rel_tol_log: float =
         chunk = min(2 * chunk, 1 << 20)
 
 
+TINY_SIGMA = 1e-150
+
+
 def log_a(q: float, sigma: float, alpha: float) -> float:
     """log E_{mu0}[(mu/mu0)^alpha] for one Poisson-subsampled Gaussian step.
 
     ``alpha > 1``; ``q`` in [0, 1]; ``sigma >= 0``.  Returns 0 for q = 0 and inf for
-    sigma = 0 < q, or a sigma whose square is below float64's normal range (a sampled example's
-    loss past 1/(2 sigma^2) = 2e307, where the series' terms turned NaN and the result read 0).
+    sigma = 0 < q, or sigma below ``TINY_SIGMA`` (a sampled example's loss past 1/(2 sigma^2) =
+    5e299: no privacy; below it the series' terms overflow, and they read 0 from ~1e-152).
     """
     if q == 0.0 or math.isinf(sigma):
         return 0.0
-    if sigma * sigma < sys.float_info.min:
+    if sigma < TINY_SIGMA:
         return math.inf
     if q == 1.0:  # plain Gaussian: D_alpha(N(1,s^2) || N(0,s^2)) = alpha / (2 s^2)
         return (alpha - 1.0) * alpha / (2.0 * (sigma * sigma))
