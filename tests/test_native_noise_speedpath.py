@@ -18,7 +18,8 @@ def _check(sums, std=1.3, divisor=7.0, seed=0x1234_5678_9ABC_DEF0):
     ref = noise_ref.noisy_average_philox_ref(sums, std, divisor, seed)
     for o, r, s in zip(out, ref, sums):
         assert o.dtype == s.dtype and o.shape == s.shape
-        torch.testing.assert_close(o.double(), r.double(), rtol=2e-6, atol=2e-6 * (1 + std) / divisor)
+        tol = 2e-6 if s.dtype == torch.float32 else 1e-2  # bf16: one ulp (float32 results rounded, FMA apart)
+        torch.testing.assert_close(o.double(), r.double(), rtol=tol, atol=tol * (1 + std) / divisor)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
