@@ -398,7 +398,7 @@ class DPOptimizer(torch.optim.Optimizer):
         # failing) resumes where it stopped if retried on the same clipped sums, before any other pass or
         # batch: the batch is not closed or counted twice, its sums released once.
         key = self._retry_key()
-        done = self._unfinished.phase if self.resumable_failed_step() else None
+        done = self._unfinished.phase if self._unfinished is not None and self._unfinished.key == key else None
         if done is None:
             self._close_loader_step()
             self._unfinished = _UnfinishedStep(key, "closed")
