@@ -392,7 +392,7 @@ class DPOptimizer(torch.optim.Optimizer):
         # checks that refuse the step before the loader's count closes it: fixed, it can be retried
         self._check_trainable()
         self.engine.check_foreign_grads()  # also where no hooked layer ran, so no backward callback did
-        self._check_noise_fits_parameters()
+        self.check_noise_fits_parameters()
         self._check_ranks_agree()
         # A step that raised after its batch was closed (the accountant raising, the wrapped optimizer
         # failing) resumes where it stopped if retried on the same clipped sums, before any other pass or
@@ -438,10 +438,11 @@ class DPOptimizer(torch.optim.Optimizer):
     def _check_ranks_agree(self) -> None:
         """One process: nothing to compare (see DistributedDPOptimizer)."""
 
-    def _check_noise_fits_parameters(self) -> None:
-        """Refuse noise whose coordinates (std / expected_batch_size) would overflow a private parameter's
-        dtype (float16's 65504: a "no clipping" bound of 1e6), or whose std the kernels, which scale float32
-        and half sums in float32, would turn into Inf or 0 (no noise), before the step is counted."""
+    def check_noise_fits_parameters(self) -> None:
+        """Raise ValueError if the noise would overflow a private parameter's dtype (its coordinates,
+        std / expected_batch_size, past float16's 65504: a "no clipping" bound of 1e6), or if its std
+        is one the kernels, which scale float32 and half sums in float32, would turn into Inf or 0 (no
+        noise). ``step()`` checks this before the step is counted; call it to fail before training."""
         std = _noise_std(self.noise_multiplier, self.clipping)
         spread = 64.0 * std / self.expected_batch_size  # 64 std
         if spread <= _SMALLEST_FLOAT_MAX and (std == 0 or _FLOAT32_TINY <= std <= _FLOAT32_MAX):

@@ -196,7 +196,7 @@ def train(config: TrainConfig) -> TrainResult:
                                f"batch size {cfg.batch_size} with any noise ({exc}); raise --target-epsilon or "
                                "lower --epochs or --batch-size") from None
     try:  # as the first step would, before any data is trained on
-        optimizer._check_noise_fits_parameters()
+        optimizer.check_noise_fits_parameters()
     except ValueError as exc:
         optimizer.detach()
         raise TrainConfigError(f"--max-grad-norm {cfg.max_grad_norm:g}: {exc}") from None

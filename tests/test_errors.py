@@ -686,6 +686,8 @@ def test_noise_that_would_overflow_the_parameters_dtype_is_refused_before_the_st
     calls = []
     opt.attach_accountant(type("Recorder", (), {"step": lambda self, **kw: calls.append(kw)})(), 0.5)
     with pytest.raises(ValueError, match="overflow their dtype"):
+        opt.check_noise_fits_parameters()  # before training, as fastdp train does
+    with pytest.raises(ValueError, match="overflow their dtype"):
         opt.step()
     assert not calls and all(torch.isfinite(p).all() for p in model.parameters())
     opt.max_grad_norm = 1.0
