@@ -22,6 +22,29 @@ def test_linear_any_rank(batch, middle, d, p, bias, seed):
     check_exact(model, [torch.randn(batch, *middle, d)])
 
 
+class _InPlaceResidual(nn.Module):
+    """A transformer feed-forward block: in-place ReLU and residual add on the Linear outputs."""
+
+    def __init__(self, d, hidden):
+        super().__init__()
+        self.up, self.down = nn.Linear(d, hidden), nn.Linear(hidden, d)
+
+    def forward(self, x):
+        out = self.down(self.up(x).relu_())
+        out += x
+        return out.mul_(2)
+
+
+@SETTINGS
+@given(batch=st.integers(1, 4), middle=st.lists(st.integers(1, 4), min_size=0, max_size=2),
+       d=st.integers(1, 6), hidden=st.integers(1, 6), seed=st.integers(0, 99))
+def test_linear_output_modified_in_place(batch, middle, d, hidden, seed):
+    """On (B, T, d) inputs F.linear returned a view, which autograd refuses to modify in place
+    inside a Function: ReLU(inplace=True) after a hooked Linear raised (parity review)."""
+    torch.manual_seed(seed)
+    check_exact(_InPlaceResidual(d, hidden), [torch.randn(batch, *middle, d)])
+
+
 @pytest.mark.parametrize("route", ["ghost", "direct"])
 @pytest.mark.parametrize("seq", [1, 3, 17])
 def test_linear_both_routes(monkeypatch, route, seq):

@@ -29,7 +29,11 @@ class _LinearFn(torch.autograd.Function):
     def forward(ctx, x, weight, bias, tap):
         ctx.save_for_backward(x, weight)
         ctx.tap = tap
-        return F.linear(x, weight, bias)
+        out = F.linear(x, weight, bias)
+        # On (B, T, d) inputs with a bias, F.linear returns a view of its (B*T, p) result, and autograd
+        # forbids in-place ops (ReLU(inplace=True), out += residual) on a view made inside a Function.
+        # The result is ours alone: drop the view relation, as ATen's own linear does.
+        return torch.ops.aten._unsafe_view(out, out.shape) if out._is_view() else out
 
     @staticmethod
     def backward(ctx, grad_out):
