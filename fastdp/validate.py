@@ -15,7 +15,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from fastdp.layers import UnsupportedModuleError, rule_for, supported_types
+from fastdp.layers import UnsupportedModuleError, rule_for, rule_for_type, supported_types
 
 
 def find_problems(module: nn.Module, params: Optional[Iterable[torch.Tensor]] = None) -> List[str]:
@@ -58,7 +58,7 @@ def find_problems(module: nn.Module, params: Optional[Iterable[torch.Tensor]] = 
                     f"for {type(child).__name__}; supported layers: "
                     f"{', '.join(sorted(t.__name__ for t in supported_types()))}. Freeze them "
                     "(requires_grad_(False)), rebuild the layer from supported ones, or register "
-                    "a rule with fastdp.layers.register"
+                    f"a rule with fastdp.layers.register{_subclass_hint(child)}"
                 )
             continue
         foreign = [n for n in trainable if n not in rule.param_names]
@@ -81,6 +81,20 @@ def find_problems(module: nn.Module, params: Optional[Iterable[torch.Tensor]] = 
                 "parameters of the module given to fastdp; pass the module that owns them"
             )
     return problems
+
+
+def _subclass_hint(module: nn.Module) -> str:
+    """Rules match exact types (a subclass may change forward): for a subclass of a supported
+    layer whose forward is the layer's own, say how to reuse the layer's rule."""
+    cls = type(module)
+    base = next((t for t in cls.__mro__[1:] if t in supported_types()), None)
+    if base is None:
+        return ""
+    rule = type(rule_for_type(base))
+    return (f" ({cls.__name__} subclasses {base.__name__}, but rules match exact types since a subclass may "
+            f"change forward; if it keeps {base.__name__}'s, register its rule for it: class "
+            f"{cls.__name__}Rule({rule.__module__}.{rule.__name__}): module_types = ({cls.__name__},), then "
+            f"fastdp.layers.register({cls.__name__}Rule()))")
 
 
 def _foreign_fix(module: nn.Module, names: List[str]) -> str:

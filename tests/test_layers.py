@@ -399,3 +399,29 @@ def test_a_nan_in_an_input_element_no_output_reads_is_no_part_of_the_gradient(mo
     assert all(torch.isfinite(g).all() for g in grads[0])
     for got, want in zip(*grads):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_a_subclass_of_a_supported_layer_is_refused_with_the_way_to_reuse_its_rule():
+    """Rules match exact types (a subclass may change forward); the refusal said only "supported
+    layers: ... Linear" for a Linear subclass (parity review). Following its fix trains exactly."""
+    import re
+
+    import fastdp
+    from fastdp.layers import register
+    from fastdp.layers.linear import LinearRule
+
+    class TaggedLinear(nn.Linear):
+        pass
+
+    torch.manual_seed(0)
+    model = nn.Sequential(TaggedLinear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    fix = re.escape("class TaggedLinearRule(fastdp.layers.linear.LinearRule): module_types = (TaggedLinear,)")
+    with pytest.raises(fastdp.UnsupportedModuleError, match=f"TaggedLinear subclasses Linear.*{fix}"):
+        fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), module=model, noise_multiplier=1.0,
+                           max_grad_norm=1.0, expected_batch_size=5)
+
+    class TaggedLinearRule(LinearRule):
+        module_types = (TaggedLinear,)
+
+    register(TaggedLinearRule())
+    check_exact(model, [torch.randn(5, 3)])

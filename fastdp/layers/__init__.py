@@ -26,6 +26,11 @@ def rule_for(module: nn.Module) -> Optional[LayerRule]:
     cls = type(module)
     if parametrize.is_parametrized(module):  # torch's generated subclass: the layer's forward, tensors as properties
         cls = cls.__bases__[0]
+    return rule_for_type(cls)
+
+
+def rule_for_type(cls: type) -> Optional[LayerRule]:
+    """The rule registered for exactly ``cls`` (a subclass may change forward: not its base's)."""
     return _RULES.get(cls)
 
 
@@ -36,4 +41,5 @@ def supported_types():
 # Importing the families registers their rules.
 from fastdp.layers import conv, embedding, linear, norm  # noqa: E402,F401
 
-__all__ = ["LayerRule", "Record", "Tap", "UnsupportedModuleError", "register", "rule_for", "supported_types"]
+__all__ = ["LayerRule", "Record", "Tap", "UnsupportedModuleError", "register", "rule_for", "rule_for_type",
+           "supported_types"]
