@@ -39,7 +39,8 @@ def calibrate_noise(
     sigma_max: float = 1e4,
     sigma_min: float = 1e-4,
 ) -> float:
-    """Smallest noise multiplier whose epsilon (at ``delta``) does not exceed the target.
+    """A noise multiplier whose epsilon (at ``delta``) does not exceed the target and is within
+    ``rtol`` of it: the smallest such sigma up to that tolerance.
 
     The returned sigma always satisfies ``epsilon(sigma) <= target_epsilon``; the search
     (bracketed secant steps on log sigma with bisection fallback; epsilon decreases with

@@ -73,8 +73,9 @@ def register(subparsers) -> None:
 
     p_cal = subparsers.add_parser(
         "calibrate",
-        help="smallest noise multiplier meeting a target epsilon",
-        description="Print the smallest noise multiplier whose epsilon does not exceed --target-epsilon.",
+        help="the noise multiplier meeting a target epsilon",
+        description="Print a noise multiplier whose epsilon does not exceed --target-epsilon and is within "
+                    "0.5 % of it (the smallest such, to that tolerance).",
     )
     p_cal.add_argument("--target-epsilon", type=float, required=True, help="target epsilon > 0")
     _add_schedule(p_cal)
