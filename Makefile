@@ -39,10 +39,11 @@ test: install fashion-mnist cuda-check native-bounds
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-backends
 
-# The engine's exactness tests again with each kernel backend forced (Triton through its
-# CPU interpreter, with fewer hypothesis examples: the interpreter is slow).
+# The engine's exactness tests again with each kernel backend forced: the PyTorch references
+# alone, native, and Triton through its CPU interpreter, with fewer hypothesis examples (slow).
 ENGINE_TESTS := tests/test_layers.py tests/test_engine.py tests/test_errors.py
 test-backends: install
+	FASTDP_BACKEND=reference $(PY) -m pytest -q $(ENGINE_TESTS)
 	FASTDP_BACKEND=native $(PY) -m pytest -q $(ENGINE_TESTS)
 	TRITON_INTERPRET=1 FASTDP_BACKEND=triton FASTDP_EXAMPLES=4 $(PY) -m pytest -q $(ENGINE_TESTS)
 
