@@ -147,11 +147,12 @@ class GradSampleEngine:
             # plain for a copy of the module, without grad, or once detached (a wrapper that kept this forward)
             params = rule.trainable(module) if owner is module and torch.is_grad_enabled() and self._patched else None
             # plain also where the layer holds tensors other than the model's parameters (torch.func.functional_call),
-            # or one of its parameters' names is a tensor set by hand (a weight computed from another parameter before
-            # each call): autograd then gives what it comes from its gradient, and one reaching a private parameter is
-            # refused as written outside its layer
+            # or one of its parameters' names is a tensor set by hand that requires grad (a weight computed from
+            # another parameter before each call): autograd then gives what it comes from its gradient, and one
+            # reaching a private parameter is refused as written outside its layer. A constant one (a frozen pruned
+            # weight) is the layer's input like any other
             if (not params or any(id(p) not in known for p in params.values())
-                    or any(isinstance(attributes.get(n), torch.Tensor) for n in names)):
+                    or any(getattr(attributes.get(n), "requires_grad", False) for n in names)):
                 return plain(owner, *args, **kwargs)
             if kwargs:  # by the layer's own argument names (nn.Linear(...)(input=x)): passed on by position
                 args, kwargs = signature.bind(*args, **kwargs).args, {}

@@ -453,3 +453,22 @@ def test_a_subclass_of_a_supported_layer_is_refused_with_the_way_to_reuse_its_ru
 
     register(TaggedLinearRule())
     check_exact(model, [torch.randn(5, 3)])
+
+
+@pytest.mark.parametrize("how", ["pruned", "set by hand"])
+def test_a_layer_whose_weight_is_a_constant_tensor_trains_its_bias_exactly(how):
+    """A frozen pruned weight (prune's pre-hook sets weight = weight_orig * mask each call) or a
+    constant set by hand, with the bias training (BitFit): the layer ran plain since any tensor
+    under the weight's name did, and the bias was refused as used outside it (regression review)."""
+    from torch.nn.utils import prune
+
+    torch.manual_seed(0)
+    layer = nn.Linear(5, 3)
+    if how == "pruned":
+        prune.l1_unstructured(layer, "weight", amount=0.4)
+        layer.weight_orig.requires_grad_(False)
+    else:
+        fixed = layer.weight.detach().clone()
+        del layer.weight
+        layer.weight = fixed
+    check_exact(nn.Sequential(nn.Linear(4, 5), nn.Tanh(), layer), [torch.randn(6, 4)])
