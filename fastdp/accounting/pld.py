@@ -506,9 +506,11 @@ class PLDAccountant(Accountant):
 
     def _compute(self, counts: Dict[Tuple[float, float], int], delta: float) -> float:
         if all(q == 1.0 for _, q in counts):
-            mu = math.sqrt(sum(steps / (sigma * sigma) for (sigma, _), steps in counts.items()))
+            # sigma^2 underflowing to 0 (sigma below ~1e-162): no noise at all, mu infinite
+            mu = math.sqrt(sum(steps / (sigma * sigma) if sigma * sigma > 0 else math.inf
+                               for (sigma, _), steps in counts.items()))
             try:
-                return gaussian_epsilon(mu, delta)
+                return gaussian_epsilon(mu, delta) if math.isfinite(mu) else math.inf
             except OverflowError:  # mu past ~1e10: its exp cancels numbers of ~mu^2; RDP's bound below
                 epsilon = math.inf
         else:
