@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import inspect
 import math
 import operator
 import os
@@ -153,17 +154,18 @@ class DPOptimizer(torch.optim.Optimizer):
             getattr(current, "__func__", None) is type(module).zero_grad)  # an unpickled hooked module's
         if not inert:
             return
-        plain, optimizer = type(module).zero_grad, weakref.ref(self)
+        # as the class defines it (a function, or a staticmethod or classmethod: bound through its descriptor)
+        plain, optimizer = inspect.getattr_static(type(module), "zero_grad"), weakref.ref(self)
 
         def zero_grad(owner, *args, **kwargs):  # the class's own signature (an override may take no set_to_none)
-            out = plain(owner, *args, **kwargs)
+            out = plain.__get__(owner, type(owner))(*args, **kwargs)
             opt = optimizer()
             if owner is module and opt is not None and not opt._detached:
                 opt._drop_unstepped_sums()
             return out
 
         zero_grad.fastdp_module, zero_grad.fastdp_optimizer = module, optimizer
-        module.zero_grad = types.MethodType(zero_grad, module)
+        module.__dict__["zero_grad"] = types.MethodType(zero_grad, module)  # past a __setattr__ refusing new names
 
     # -- what torch.optim.Optimizer users and LR schedulers read --------------------------
     @property
@@ -481,7 +483,7 @@ class DPOptimizer(torch.optim.Optimizer):
         module = self.engine.module
         ours = getattr(module.__dict__.get("zero_grad"), "fastdp_optimizer", lambda: None)()
         if ours is self:  # not a later optimizer's, after an earlier detach()
-            del module.zero_grad
+            del module.__dict__["zero_grad"]
         self._detached = True
 
     def __reduce_ex__(self, protocol):

@@ -569,3 +569,36 @@ def test_the_zero_grad_hook_keeps_the_models_own_signature_and_a_later_optimizer
     model[0].weight.grad = torch.ones(2, 3)
     model.zero_grad()
     assert model[0].weight.grad is not None and not model[0].weight.grad.any()  # its default, set_to_none=False
+
+
+def test_the_zero_grad_hook_binds_the_classs_own_kind_of_method_and_passes_a_strict_setattr():
+    """A staticmethod zero_grad got the module as an argument (TypeError), a classmethod the module as
+    set_to_none; a model whose __setattr__ refuses new names raised after its layers were hooked,
+    which no optimizer could then detach (regression review)."""
+    calls = []
+
+    class Static(nn.Sequential):
+        @staticmethod
+        def zero_grad(set_to_none=True):
+            calls.append(("static", set_to_none))
+
+    class Class(nn.Sequential):
+        @classmethod
+        def zero_grad(cls, set_to_none=True):
+            calls.append((cls.__name__, set_to_none))
+
+    class Strict(nn.Sequential):
+        def __setattr__(self, name, value):
+            if not name.startswith("_") and not isinstance(value, (nn.Module, nn.Parameter)):
+                raise AttributeError(f"cannot set {name!r}")
+            super().__setattr__(name, value)
+
+    for cls in (Static, Class, Strict):
+        model = cls(nn.Linear(3, 2))
+        opt = _zero_noise_optimizer(model)
+        model(torch.randn(4, 3)).sum().backward()
+        model.zero_grad()
+        assert not opt.engine.summed
+        opt.detach()
+        assert "zero_grad" not in model.__dict__ and "forward" not in model[0].__dict__
+    assert calls == [("static", True), ("Class", True)]
