@@ -466,8 +466,8 @@ def gaussian_epsilon(mu: float, delta: float) -> float:
 
 # --------------------------------------------------------------------------- accountant
 RDP_CHECK_DELTA = 1e-30  # below it, and from RDP_CHECK_STEPS steps on, epsilon is min(PLD, RDP)
-REFINE_BELOW, REFINEMENTS = 1000, 2  # see PLDAccountant._grid_epsilon
 RDP_CHECK_STEPS = 10**7
+REFINE_BELOW, REFINEMENTS = 1000, 2  # see PLDAccountant._grid_epsilon
 
 
 @register_accountant
