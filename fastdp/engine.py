@@ -80,6 +80,8 @@ class GradSampleEngine:
         self.skipped_samples = 0
         self._pending: List[Record] = []
         self._queued_task: Optional[int] = None  # the autograd graph task whose end runs _finish_backward
+        # earlier passes' state set aside when a pass started: one run inside them hands theirs back
+        self._suspended: List[tuple] = []
         # layer inputs of this backward pass / of the earlier ones since the last step, by id:
         # (weak reference, version), to tell the same samples backpropagated twice
         self._pass_inputs: Dict[int, tuple] = {}
@@ -170,6 +172,7 @@ class GradSampleEngine:
                 del module.forward
         self._patched = []
         self._drop_pass()
+        self._suspended.clear()
 
     def _record(self, rec: Record, rounded_grads: bool = False) -> None:
         """Take a hooked layer's record. One whose parameters this pass does not accumulate
@@ -202,12 +205,26 @@ class GradSampleEngine:
             self._pending.append(rec)
 
     def _start_pass(self, task: int) -> None:
-        """Queue the end-of-pass callback in backward pass ``task``. What an earlier pass left is
-        dropped: it raised before its end, autograd dropped its callback, and nothing of it was
-        clipped or counted (with a flag instead, no later pass queued a callback again)."""
+        """Queue the end-of-pass callback in backward pass ``task``. What an earlier pass left is set
+        aside: a pass run inside it (torch.autograd.grad in a custom Function's backward) hands it
+        back at its end, and the earlier pass goes on to its own. Otherwise the earlier pass raised
+        before its end, autograd dropped its callback, and nothing of it is clipped or counted: the
+        next pass to end outside any other drops it (with a flag instead, no later pass queued a
+        callback again)."""
+        self._suspended.append((self._pending, self._pass_inputs, self._pass_bases, self._pass_rows,
+                                self._pass_taps, self._queued_task))
         self._drop_pass()
         self._queued_task = task
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+
+    def _end_pass(self) -> None:
+        """Drop this pass's state; hand the enclosing pass's back if this one ran inside it."""
+        self._drop_pass()
+        if torch._C._current_autograd_node() is None:  # outside any other pass: the set-aside ones raised
+            self._suspended.clear()
+        elif self._suspended:
+            (self._pending, self._pass_inputs, self._pass_bases, self._pass_rows, self._pass_taps,
+             self._queued_task) = self._suspended.pop()
 
     def _drop_pass(self) -> None:
         self._pending, self._pass_inputs, self._pass_bases, self._pass_rows = [], {}, {}, {}
@@ -246,7 +263,7 @@ class GradSampleEngine:
     # -- after each backward pass ---------------------------------------------------------
     def _finish_backward(self) -> None:
         records, inputs, bases, taps = self._pending, self._pass_inputs, self._pass_bases, self._pass_taps
-        self._drop_pass()
+        self._end_pass()
         if not records:  # no private parameter accumulated (torch.autograd.grad): the pass adds nothing
             return
         # checks first, then everything the pass adds at once at the end: a pass that raises (a refusal,
@@ -495,6 +512,7 @@ class GradSampleEngine:
         """Drop the clipped sums and what the passes since the last step saw (and what a pass
         that raised before its end left)."""
         self._drop_pass()
+        self._suspended.clear()
         self.summed.clear()
         self.generation += 1
         self.samples_seen = 0

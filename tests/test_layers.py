@@ -472,3 +472,39 @@ def test_a_layer_whose_weight_is_a_constant_tensor_trains_its_bias_exactly(how):
         del layer.weight
         layer.weight = fixed
     check_exact(nn.Sequential(nn.Linear(4, 5), nn.Tanh(), layer), [torch.randn(6, 4)])
+
+
+class _VjpThrough(torch.autograd.Function):
+    """Identity forward; its backward adds 0 x a vector-Jacobian product through ``layer``, taken
+    with torch.autograd.grad (an implicit layer's pattern): a backward pass inside the outer one."""
+
+    @staticmethod
+    def forward(ctx, h, layer):
+        ctx.layer = layer
+        ctx.save_for_backward(h)
+        return h.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        (h,) = ctx.saved_tensors
+        with torch.enable_grad():
+            inner = h.detach().requires_grad_()
+            (vjp,) = torch.autograd.grad(ctx.layer(inner), inner, g)
+        return g + 0.0 * vjp, None
+
+
+class _WithInnerPass(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.f, self.head = nn.Linear(5, 4), nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(_VjpThrough.apply(torch.tanh(self.a(x)), self.f))
+
+
+def test_a_backward_pass_inside_another_leaves_the_outer_ones_records():
+    """torch.autograd.grad through a hooked layer inside a custom Function's backward started a
+    new pass, which dropped what the outer pass had recorded (the head): its gradient read 0
+    (adversarial review)."""
+    torch.manual_seed(0)
+    check_exact(_WithInnerPass(), [torch.randn(6, 5)])
