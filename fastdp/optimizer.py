@@ -104,6 +104,12 @@ class DPOptimizer(torch.optim.Optimizer):
             raise ValueError("secure_mode=True draws the noise from OS entropy: do not pass a seed")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+        if closure is not None and closure.default is inspect.Parameter.empty:
+            raise TypeError(
+                f"{type(optimizer).__name__} needs a closure in step(): it evaluates the loss and its gradient "
+                "several times per step (a line search), each a release of the data that one noisy step does not "
+                "cover; use an optimizer that steps on one gradient (SGD, Adam, ...)")
         # torch.optim.Optimizer.__init__ is not called: state and groups are the wrapped ones.
         self.original_optimizer = optimizer
         self._optimizer_step_pre_hooks = OrderedDict()

@@ -800,3 +800,14 @@ def test_a_lazy_layer_not_yet_built_is_refused_with_the_fix():
         make(model, max_grad_norm=1.0, noise_multiplier=1.0)
     model(torch.randn(2, 5))
     make(model, max_grad_norm=1.0, noise_multiplier=1.0).step()
+
+
+def test_an_optimizer_that_needs_a_closure_is_refused_at_construction():
+    """LBFGS: its step was counted, then failed with "missing 1 required positional argument:
+    'closure'" although one was passed (adversarial review); one noisy step cannot cover its line
+    search's repeated evaluations."""
+    model = nn.Linear(3, 2)
+    with pytest.raises(TypeError, match="LBFGS needs a closure"):
+        fastdp.DPOptimizer(torch.optim.LBFGS(model.parameters()), module=model, noise_multiplier=1.0,
+                           max_grad_norm=1.0, expected_batch_size=4)
+    assert "forward" not in model.__dict__  # nothing hooked
