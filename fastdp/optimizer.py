@@ -122,6 +122,8 @@ class DPOptimizer(torch.optim.Optimizer):
         self.expected_batch_size = expected_batch_size
         self.loss_reduction = loss_reduction
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        for p in params:
+            _check_no_grad_hooks(p, lambda: next((n for n, q in module.named_parameters() if q is p), "?"))
         self._clipping_mode, self._gamma = clipping, gamma
         self.clipping = make_clipping(clipping, max_grad_norm, params, gamma)
         _check_noise_std(self.noise_multiplier, self.clipping)
@@ -368,7 +370,10 @@ class DPOptimizer(torch.optim.Optimizer):
         private = self.engine._private_ids
         for group in self.param_groups:
             for p in group["params"]:
-                if p.requires_grad and id(p) not in private:
+                if not p.requires_grad:
+                    continue
+                _check_no_grad_hooks(p, lambda: self.engine.names.get(p, "?"))
+                if id(p) not in private:
                     raise UnsupportedModuleError(
                         f"parameter '{self.engine.names.get(p, '?')}' trains in the optimizer but did not when "
                         "the DPOptimizer was built (unfrozen, or added to the wrapped optimizer, since): fastdp "
@@ -609,6 +614,17 @@ _FLOAT32_TINY, _FLOAT32_MAX = ops.FLOAT32_NORMAL_RANGE
 
 def _noise_std(sigma: float, clipping) -> float:
     return 0.0 if sigma == 0 else sigma * clipping.sensitivity
+
+
+def _check_no_grad_hooks(param: torch.Tensor, name: Callable[[], str]) -> None:
+    """Refuse a private parameter with autograd gradient hooks: fastdp forms its gradient outside
+    autograd, so a hook would see None (raising, or silently doing nothing)."""
+    if param._backward_hooks or getattr(param, "_post_accumulate_grad_hooks", None):
+        raise UnsupportedModuleError(
+            f"parameter '{name()}' has a gradient hook (register_hook or register_post_accumulate_grad_hook): "
+            "fastdp forms private parameters' gradients outside autograd, so the hook would get None; remove "
+            "it, and transform the noised gradient instead in a step pre-hook of the wrapped optimizer "
+            "(optimizer.original_optimizer.register_step_pre_hook), or freeze what it masked")
 
 
 def _check_noise_std(sigma: float, clipping) -> None:

@@ -811,3 +811,25 @@ def test_an_optimizer_that_needs_a_closure_is_refused_at_construction():
         fastdp.DPOptimizer(torch.optim.LBFGS(model.parameters()), module=model, noise_multiplier=1.0,
                            max_grad_norm=1.0, expected_batch_size=4)
     assert "forward" not in model.__dict__  # nothing hooked
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.parametrize("kind", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_a_gradient_hook_on_a_private_parameter_is_refused(when, kind):
+    """A hook on a trained parameter got None (fastdp forms the gradient outside autograd): a mask
+    written `None if g is None else g * mask` was silently ignored (adversarial review). Refused when
+    the optimizer is built, or at step() for one registered after, before the step counts."""
+    model = nn.Sequential(nn.Linear(3, 2))
+    hook = (lambda g: None) if kind == "register_hook" else (lambda p: None)
+    if when == "before":
+        getattr(model[0].weight, kind)(hook)
+        with pytest.raises(fastdp.UnsupportedModuleError, match="'0.weight' has a gradient hook"):
+            make(model)
+        assert "forward" not in model[0].__dict__
+        return
+    opt = make(model)
+    getattr(model[0].weight, kind)(hook)
+    model(torch.randn(4, 3)).sum().backward()
+    with pytest.raises(fastdp.UnsupportedModuleError, match="'0.weight' has a gradient hook"):
+        opt.step()
+    assert opt.steps == 0
