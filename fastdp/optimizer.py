@@ -257,6 +257,14 @@ class DPOptimizer(torch.optim.Optimizer):
         gradients are released: a step is counted even if it fails afterwards, never released
         uncounted."""
         rate = check_sample_rate(sample_rate)  # in (0, 1]: at 0 the accountant would report epsilon = 0
+        recorded = getattr(accountant, "steps", None)  # fastdp's accountants count their steps
+        if self.steps and not (isinstance(recorded, int) and recorded >= self.steps):
+            raise ValueError(
+                f"this optimizer has taken {self.steps} noisy steps, which this {type(accountant).__name__} has "
+                f"not recorded ({'it records ' + str(recorded) if isinstance(recorded, int) else 'it cannot say'}): "
+                "its epsilon would leave them out; attach the accountant before the first step, or record "
+                "them in it first (accountant.step(noise_multiplier=..., sample_rate=..., num_steps=...) with "
+                "the settings they ran at)")
         drawn = self._loader_rate()
         if drawn is not None and not math.isclose(rate, drawn, rel_tol=1e-12):
             raise ValueError(

@@ -833,3 +833,23 @@ def test_a_gradient_hook_on_a_private_parameter_is_refused(when, kind):
     with pytest.raises(fastdp.UnsupportedModuleError, match="'0.weight' has a gradient hook"):
         opt.step()
     assert opt.steps == 0
+
+
+def test_an_accountant_attached_after_steps_must_have_recorded_them():
+    """attach_accountant replaced the accountant silently: after 10 steps (epsilon 2.85) a new one
+    read epsilon 0, and steps taken before any accountant were never counted (adversarial review)."""
+    from fastdp.accounting import PLDAccountant, RDPAccountant
+
+    model = nn.Linear(3, 2)
+    opt = make(model)
+    opt.attach_accountant(PLDAccountant(), 0.5)
+    for _ in range(3):
+        model(torch.randn(4, 3)).sum().backward()
+        opt.step()
+    with pytest.raises(ValueError, match="has taken 3 noisy steps, which this RDPAccountant has not recorded"):
+        opt.attach_accountant(RDPAccountant(), 0.5)
+    assert isinstance(opt.accountant, PLDAccountant)
+    opt.attach_accountant(opt.accountant, 0.5)  # the same one again: it has them
+    caught_up = RDPAccountant().step(noise_multiplier=1.0, sample_rate=0.5, num_steps=3)
+    opt.attach_accountant(caught_up, 0.5)
+    assert opt.accountant is caught_up
