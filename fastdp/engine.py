@@ -94,6 +94,10 @@ class GradSampleEngine:
         self._pass_bases: Dict[int, weakref.ref] = {}
         # rows of its base each (layer, base tensor) saw in this pass: (first, step, count)
         self._pass_rows: Dict[tuple, tuple] = {}
+        # the rows of the loader's batch tensors the layers saw in this pass / in the passes since the last
+        # step, by id: (weak reference, set of row indices), to tell the same samples in two passes by views
+        self._pass_samples: Dict[int, tuple] = {}
+        self._step_samples: Dict[int, tuple] = {}
         self._owned_grads: Dict[torch.Tensor, tuple] = {}
         self.ledger = None  # the attached Poisson loader's BatchLedger (fastdp.data), if any
         self._warned_rows = False
@@ -212,7 +216,7 @@ class GradSampleEngine:
         next pass to end outside any other drops it (with a flag instead, no later pass queued a
         callback again)."""
         self._suspended.append((self._pending, self._pass_inputs, self._pass_bases, self._pass_rows,
-                                self._pass_taps, self._queued_task))
+                                self._pass_samples, self._pass_taps, self._queued_task))
         self._drop_pass()
         self._queued_task = task
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
@@ -223,12 +227,12 @@ class GradSampleEngine:
         if torch._C._current_autograd_node() is None:  # outside any other pass: the set-aside ones raised
             self._suspended.clear()
         elif self._suspended:
-            (self._pending, self._pass_inputs, self._pass_bases, self._pass_rows, self._pass_taps,
-             self._queued_task) = self._suspended.pop()
+            (self._pending, self._pass_inputs, self._pass_bases, self._pass_rows, self._pass_samples,
+             self._pass_taps, self._queued_task) = self._suspended.pop()
 
     def _drop_pass(self) -> None:
         self._pending, self._pass_inputs, self._pass_bases, self._pass_rows = [], {}, {}, {}
-        self._pass_taps = {}
+        self._pass_samples, self._pass_taps = {}, {}
         self._queued_task = None
 
     def _check_rows(self, module: nn.Module, x: torch.Tensor) -> None:
@@ -259,10 +263,25 @@ class GradSampleEngine:
                 "tensors, or stacked on dim 1. A loop over time steps of a (B*T, d) tensor viewed as (B, T, d), "
                 "y[:, t], looks the same: if every call does see each sample once, in order, give each step's "
                 "input its own tensor (y[:, t].contiguous())")
+        if self.ledger is not None and self.ledger.is_batch_tensor(base):
+            self._check_samples_once(base, set(range(rows[0], rows[0] + rows[1] * rows[2], rows[1])))
+
+    def _check_samples_once(self, batch: torch.Tensor, rows: set) -> None:
+        """Refuse rows of the loader's ``batch`` that an earlier pass since the last step saw
+        through other views (overlapping micro-batches, x[:4] sliced twice): clipped twice."""
+        earlier = self._step_samples.get(id(batch))
+        if earlier is not None and earlier[0]() is batch and not earlier[1].isdisjoint(rows):
+            raise UnsupportedModuleError(
+                "this backward pass's layers saw samples of the loader's batch that an earlier pass since the "
+                "last step saw too (micro-batches that overlap, or one sliced twice): each pass clips its samples "
+                "on their own, so they would count twice while the noise is scaled for once; split the batch into "
+                "disjoint chunks (one backward() each), or call backward() once")
+        self._pass_samples.setdefault(id(batch), (weakref.ref(batch), set()))[1].update(rows)
 
     # -- after each backward pass ---------------------------------------------------------
     def _finish_backward(self) -> None:
         records, inputs, bases, taps = self._pending, self._pass_inputs, self._pass_bases, self._pass_taps
+        samples = self._pass_samples
         self._end_pass()
         if not records:  # no private parameter accumulated (torch.autograd.grad): the pass adds nothing
             return
@@ -303,6 +322,12 @@ class GradSampleEngine:
         self.generation += 1
         self._step_inputs.update(inputs)
         self._step_taps.update(taps)
+        for key, (ref, rows) in samples.items():
+            earlier = self._step_samples.get(key)
+            if earlier is not None and earlier[0]() is ref():
+                earlier[1].update(rows)
+            else:
+                self._step_samples[key] = (ref, set(rows))
         self.samples_seen += batch
         if found is not None:
             self.pass_batches.update(found)
@@ -518,6 +543,7 @@ class GradSampleEngine:
         self.samples_seen = 0
         self._step_inputs = {}
         self._step_taps = {}
+        self._step_samples = {}
         self.pass_batches = set()
 
 

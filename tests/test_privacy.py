@@ -132,6 +132,29 @@ def test_chunks_of_one_poisson_batch_make_one_step():
     assert opt.steps == opt.accountant.steps == len(loader)
 
 
+@pytest.mark.parametrize("windows", [[(0, 4), (4, 8), (8, None)], [(0, 6), (3, None)], [(0, 4), (0, 4)]])
+def test_micro_batches_sliced_from_the_loaders_batch_must_not_overlap(windows):
+    """Views of the loader's batch in one backward() each: overlapping windows, or one slice taken
+    twice (a new tensor each time), clipped their shared samples twice, with noise for once
+    (adversarial review). Disjoint windows are one step over the batch."""
+    model, opt, loader = _private(n=60, batch_size=12)
+    x, y = next(iter(loader))
+    opt.zero_grad()
+    overlap = any(a < (b_end or len(x)) and b < (a_end or len(x))
+                  for i, (a, a_end) in enumerate(windows) for b, b_end in windows[:i])
+    assert len(x) > 8
+    for i, (start, end) in enumerate(windows):
+        loss = nn.functional.cross_entropy(model(x[start:end]), y[start:end], reduction="sum")
+        if overlap and i == len(windows) - 1:
+            with pytest.raises(fastdp.UnsupportedModuleError, match="saw samples of the loader's batch"):
+                loss.backward()
+            return
+        loss.backward()
+    assert opt.engine.samples_seen == len(x)
+    opt.step()
+    assert opt.steps == opt.accountant.steps == 1
+
+
 def test_loops_left_after_a_step_go_on_and_chunks_of_a_left_batch_are_dropped():
     """A loop left with break after its step, or limited with islice, takes no batch it does
     not step on: the next loop goes on. A BatchMemoryManager loop left before a batch's step
