@@ -540,6 +540,21 @@ def test_noise_so_small_its_square_underflows_is_no_privacy(accountant):
     assert log_a(0.5, 1e-160, 1.5) == math.inf
 
 
+def test_a_full_batch_step_of_tiny_noise_among_subsampled_steps_gets_rdps_bound():
+    """A q = 1 step at sigma <= ~0.01 has no finite loss on the grid; mixed with subsampled steps,
+    the FFT composition raised ValueError (an empty max) (regression review)."""
+    from fastdp.accounting import PLDAccountant, RDPAccountant
+
+    for sigma in (1e-3, 1e-170):
+        pld, rdp = PLDAccountant(), RDPAccountant()
+        for acc in (pld, rdp):
+            acc.step(noise_multiplier=sigma, sample_rate=1.0)
+            acc.step(noise_multiplier=1.0, sample_rate=0.5, num_steps=5)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert pld.epsilon(1e-5) == rdp.epsilon(1e-5) > 5e5
+
+
 def test_tiny_noise_at_sample_rate_one_and_near_the_underflow_answers():
     """PLD at q = 1 raised OverflowError at sigma 1e-10 (its closed form cancels numbers of ~1e21), and
     at sigma ~1e-153 the RDP series looped to its 50-million-term cap (regression review)."""

@@ -572,6 +572,8 @@ class PLDAccountant(Accountant):
                 continue
             for (sigma, q), steps in counts.items():
                 groups.append((subsampled_gaussian_pld(sigma, q, direction, h, step_tail), steps))
+            if not all(pld.probs.any() for pld, _ in groups):  # a step with no finite loss (q = 1, sigma ~0.01)
+                return DiscretePLD(offset=0, probs=np.zeros(1), interval=h, inf_mass=1.0)  # no bound: RDP's
             try:
                 return compose_plds(groups, window_tail, self.max_fft_size, delta=delta)
             except WindowTooLarge as exc:
