@@ -1,9 +1,12 @@
 """Each layer family's clipped sum equals the per-example reference in float64 (hypothesis shapes)."""
+import copy
+
 import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st
 from torch import nn
 
+import fastdp
 from fastdp import ops
 from reference import examples, check_exact
 
@@ -508,3 +511,33 @@ def test_a_backward_pass_inside_another_leaves_the_outer_ones_records():
     (adversarial review)."""
     torch.manual_seed(0)
     check_exact(_WithInnerPass(), [torch.randn(6, 5)])
+
+
+class _ChannelLastLinear(nn.Module):
+    def __init__(self, c_in, c_out):
+        super().__init__()
+        self.lin = nn.Linear(c_in, c_out)
+
+    def forward(self, x):  # (B, C, H, W) -> (B, H, W, C) -> Linear -> back
+        return self.lin(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_instance_norm_at_batch_size_one_gets_a_gradient_in_its_own_layout(affine):
+    """torch's instance_norm backward is wrong for a channels-last output gradient at B = 1; the
+    hooked Linear returned its input gradient in the permuted layout, where torch keeps the
+    input's, so a B = 1 Poisson batch got a wrong gradient (1.3 relative; fuzz review). The
+    reference: plain torch at B = 2 with the second sample's loss weighted 0."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.InstanceNorm2d(3, affine=affine),
+                          _ChannelLastLinear(3, 2))
+    x, w = torch.randn(2, 2, 5, 6), torch.randn(2, 2, 5, 6)
+    w[1] = 0
+    reference = copy.deepcopy(model)
+    (reference(x) * w).sum().backward()
+    opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), module=model, noise_multiplier=0.0,
+                             max_grad_norm=1e9, expected_batch_size=1, loss_reduction="sum")
+    (model(x[:1]) * w[:1]).sum().backward()
+    opt.step()
+    for p, want in zip(model.parameters(), reference.parameters()):
+        assert torch.allclose(p.grad, want.grad, rtol=1e-10, atol=1e-12)

@@ -245,6 +245,15 @@ def with_gram_allowance(sq_norms: torch.Tensor, slack: torch.Tensor, terms: int)
     return sq_norms.clamp(min=0).add_(slack.square().mul_(terms * 2.0 ** -53))
 
 
+def in_layout_of(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``grad`` (x's shape) with ``x``'s strides, as torch's own backward keeps an input's layout:
+    a layer's input gradient in another layout reaches the ops before it (torch's instance_norm
+    backward is wrong for a channels-last gradient at batch size 1). A copy only where they differ."""
+    if grad.stride() == x.stride() or grad.shape != x.shape:
+        return grad
+    return torch.empty_like(x, dtype=grad.dtype).copy_(grad)
+
+
 def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t.to(dtype)``, skipping the call where it is already so (saves a dispatch per use)."""
     return t if t.dtype == dtype else t.to(dtype)

@@ -21,7 +21,8 @@ from torch import nn
 from fastdp import ops
 from fastdp.layers import register
 from fastdp.layers.base import (LayerRule, Record, Tap, UnsupportedModuleError, as_dtype, batch_chunks,
-                                sq_norms_of, weighted_sum, with_gram_allowance, with_rounding_allowance)
+                                in_layout_of, sq_norms_of, weighted_sum, with_gram_allowance,
+                                with_rounding_allowance)
 
 
 class _LinearFn(torch.autograd.Function):
@@ -39,7 +40,9 @@ class _LinearFn(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         ctx.tap.fire(ctx, x, grad_out)
-        grad_x = grad_out.matmul(as_dtype(weight, grad_out.dtype)) if ctx.needs_input_grad[0] else None
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = in_layout_of(grad_out.matmul(as_dtype(weight, grad_out.dtype)), x)
         return grad_x, None, None, None
 
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from fastdp import ops
 from fastdp.layers import register
-from fastdp.layers.base import LayerRule, Record, Tap, UnsupportedModuleError, check_batched
+from fastdp.layers.base import LayerRule, Record, Tap, UnsupportedModuleError, check_batched, in_layout_of
 
 
 def _param_view(param: torch.Tensor, x: torch.Tensor, channel_dim: bool) -> torch.Tensor:
@@ -52,6 +52,7 @@ class _AffineFn(torch.autograd.Function):
         grad_x = None
         if ctx.needs_input_grad[0]:
             grad_x = grad_out if weight is None else grad_out * _param_view(weight, x_hat, ctx.channel_dim)
+            grad_x = in_layout_of(grad_x, x_hat)
         return grad_x, None, None, None, None
 
 
@@ -237,7 +238,20 @@ class InstanceNormRule(_AffineNormRule):
         return super().forward(module, tap, x)
 
     def normalize(self, module, x):
-        return F.instance_norm(x, None, None, None, None, True, 0.0, module.eps)
+        return _ContiguousGrad.apply(F.instance_norm(x, None, None, None, None, True, 0.0, module.eps))
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient: torch's instance_norm backward is
+    wrong for a channels-last output gradient at batch size 1 (torch 2.13)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
 
 
 for _rule in (LayerNormRule(), RMSNormRule(), GroupNormRule(), InstanceNormRule()):
