@@ -143,6 +143,9 @@ class DPOptimizer(torch.optim.Optimizer):
         self.loader = None  # the Poisson loader whose batches the steps take, once attached
         self._detached = False
         self._unfinished: Optional[_UnfinishedStep] = None  # a step that raised part-way
+        if hasattr(inspect.getattr_static(type(module), "zero_grad"), "__set__"):
+            raise TypeError(f"{type(module).__name__}.zero_grad is a property (a data descriptor): fastdp cannot hook "
+                            "it to drop clipped sums not yet stepped; define zero_grad as a method")
         # last: it hooks the module, so nothing after it may fail and leave the hooks behind
         self.engine = GradSampleEngine(module, params, self.clipping, loss_reduction, nonfinite)
         # seeds drawn per noise key and module: an optimizer rebuilt on the module with the same seed (after
@@ -157,13 +160,13 @@ class DPOptimizer(torch.optim.Optimizer):
         (a loop calling the model's zero_grad, to drop a backward pass made for another purpose, saw that
         pass's sums released with the next step). A bound method: a copy of the module (an EMA) runs its
         plain zero_grad. A zero_grad the user set on the instance is left alone."""
-        current = module.__dict__.get("zero_grad")
-        inert = current is None or hasattr(current, "fastdp_module") or (  # ours: a copy's, a detached optimizer's
-            getattr(current, "__func__", None) is type(module).zero_grad)  # an unpickled hooked module's
-        if not inert:
-            return
         # as the class defines it (a function, or a staticmethod or classmethod: bound through its descriptor)
         plain, optimizer = inspect.getattr_static(type(module), "zero_grad"), weakref.ref(self)
+        current = module.__dict__.get("zero_grad")
+        inert = current is None or hasattr(current, "fastdp_module") or (  # ours: a copy's, a detached optimizer's
+            current == plain.__get__(module, type(module)))  # an unpickled hooked module's: the class's, bound
+        if not inert:
+            return
 
         def zero_grad(owner, *args, **kwargs):  # the class's own signature (an override may take no set_to_none)
             out = plain.__get__(owner, type(owner))(*args, **kwargs)

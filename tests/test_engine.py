@@ -1,6 +1,7 @@
 """Engine features against the per-example reference: sharing, freezing, reductions, clipping
 modes, accumulation, changing shapes, float32 accuracy, noise, detach."""
 import copy
+import io
 import math
 
 import pytest
@@ -571,34 +572,55 @@ def test_the_zero_grad_hook_keeps_the_models_own_signature_and_a_later_optimizer
     assert model[0].weight.grad is not None and not model[0].weight.grad.any()  # its default, set_to_none=False
 
 
+_ZERO_GRAD_CALLS = []
+
+
+class _StaticZeroGrad(nn.Sequential):
+    @staticmethod
+    def zero_grad(set_to_none=True):
+        _ZERO_GRAD_CALLS.append(("static", set_to_none))
+
+
+class _ClassZeroGrad(nn.Sequential):
+    @classmethod
+    def zero_grad(cls, set_to_none=True):
+        _ZERO_GRAD_CALLS.append((cls.__name__, set_to_none))
+
+
+class _StrictSetattr(nn.Sequential):
+    def __setattr__(self, name, value):
+        if not name.startswith("_") and not isinstance(value, (nn.Module, nn.Parameter)):
+            raise AttributeError(f"cannot set {name!r}")
+        super().__setattr__(name, value)
+
+
 def test_the_zero_grad_hook_binds_the_classs_own_kind_of_method_and_passes_a_strict_setattr():
     """A staticmethod zero_grad got the module as an argument (TypeError), a classmethod the module as
     set_to_none; a model whose __setattr__ refuses new names raised after its layers were hooked,
-    which no optimizer could then detach (regression review)."""
-    calls = []
+    which no optimizer could then detach (regression review); a hooked model saved whole and loaded
+    holds the class's zero_grad, bound, which a staticmethod's or classmethod's check missed, so the
+    loaded model was left unhooked (second regression review). A property is refused."""
+    _ZERO_GRAD_CALLS.clear()
+    for cls in (_StaticZeroGrad, _ClassZeroGrad, _StrictSetattr):
+        for reloaded in (False, True):  # a hooked model saved whole and loaded: the class's zero_grad, bound
+            model = cls(nn.Linear(3, 2))
+            if reloaded:
+                first = _zero_noise_optimizer(model)
+                buffer = io.BytesIO()
+                torch.save(model, buffer)
+                first.detach()
+                model = torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)
+            opt = _zero_noise_optimizer(model)
+            model(torch.randn(4, 3)).sum().backward()
+            model.zero_grad()
+            assert not opt.engine.summed
+            opt.detach()
+            assert "forward" not in model[0].__dict__
+            assert reloaded or "zero_grad" not in model.__dict__
+    assert _ZERO_GRAD_CALLS == [("static", True)] * 2 + [("_ClassZeroGrad", True)] * 2
 
-    class Static(nn.Sequential):
-        @staticmethod
-        def zero_grad(set_to_none=True):
-            calls.append(("static", set_to_none))
+    class Property(nn.Sequential):
+        zero_grad = property(lambda self: nn.Sequential.zero_grad.__get__(self))
 
-    class Class(nn.Sequential):
-        @classmethod
-        def zero_grad(cls, set_to_none=True):
-            calls.append((cls.__name__, set_to_none))
-
-    class Strict(nn.Sequential):
-        def __setattr__(self, name, value):
-            if not name.startswith("_") and not isinstance(value, (nn.Module, nn.Parameter)):
-                raise AttributeError(f"cannot set {name!r}")
-            super().__setattr__(name, value)
-
-    for cls in (Static, Class, Strict):
-        model = cls(nn.Linear(3, 2))
-        opt = _zero_noise_optimizer(model)
-        model(torch.randn(4, 3)).sum().backward()
-        model.zero_grad()
-        assert not opt.engine.summed
-        opt.detach()
-        assert "zero_grad" not in model.__dict__ and "forward" not in model[0].__dict__
-    assert calls == [("static", True), ("Class", True)]
+    with pytest.raises(TypeError, match="zero_grad is a property"):
+        _zero_noise_optimizer(Property(nn.Linear(3, 2)))
