@@ -55,7 +55,7 @@ def find_problems(module: nn.Module, params: Optional[Iterable[torch.Tensor]] = 
                 names = ", ".join(f"'{path + '.' if path else ''}{n}'" for n in trainable)
                 problems.append(
                     f"{where} has trainable parameter(s) {names} but fastdp has no per-sample rule "
-                    f"for {type(child).__name__}; supported layers: "
+                    f"for {_layer_class(child).__name__}; supported layers: "
                     f"{', '.join(sorted(t.__name__ for t in supported_types()))}. Freeze them "
                     "(requires_grad_(False)), rebuild the layer from supported ones, or register "
                     f"a rule with fastdp.layers.register{_subclass_hint(child)}"
@@ -83,10 +83,15 @@ def find_problems(module: nn.Module, params: Optional[Iterable[torch.Tensor]] = 
     return problems
 
 
+def _layer_class(module: nn.Module) -> type:
+    """The module's class, past torch's generated subclass of a parametrized module (as rule_for)."""
+    return type(module).__bases__[0] if parametrize.is_parametrized(module) else type(module)
+
+
 def _subclass_hint(module: nn.Module) -> str:
     """Rules match exact types (a subclass may change forward): for a subclass of a supported
     layer whose forward is the layer's own, say how to reuse the layer's rule."""
-    cls = type(module)
+    cls = _layer_class(module)
     base = next((t for t in cls.__mro__[1:] if t in supported_types()), None)
     if base is None:
         return ""

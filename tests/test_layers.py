@@ -458,6 +458,28 @@ def test_a_subclass_of_a_supported_layer_is_refused_with_the_way_to_reuse_its_ru
     check_exact(model, [torch.randn(5, 3)])
 
 
+def test_a_parametrized_subclass_is_named_by_its_own_class_in_the_refusal():
+    """A parametrized layer is torch's generated subclass of it: the refusal named that class
+    (ParametrizedMyLinear), and a rule registered for it as advised did nothing (regression review)."""
+    from torch.nn.utils import parametrize
+
+    import fastdp
+
+    class MyLinear(nn.Linear):
+        pass
+
+    class Halve(nn.Module):
+        def forward(self, w):
+            return w * 0.5
+
+    layer = MyLinear(3, 2)
+    parametrize.register_parametrization(layer, "weight", Halve())
+    layer.parametrizations.weight.original.requires_grad_(False)
+    problems = fastdp.find_problems(layer)
+    assert len(problems) == 1 and "Parametrized" not in problems[0].split("(ParametrizedMyLinear)")[1]
+    assert "module_types = (MyLinear,)" in problems[0]
+
+
 @pytest.mark.parametrize("how", ["pruned", "set by hand"])
 def test_a_layer_whose_weight_is_a_constant_tensor_trains_its_bias_exactly(how):
     """A frozen pruned weight (prune's pre-hook sets weight = weight_orig * mask each call) or a
