@@ -484,7 +484,8 @@ def test_pld_reports_the_rdp_bound_where_its_grid_is_looser(sigma, q, steps, del
 def test_pld_keeps_its_own_bound_where_it_is_the_tighter_one():
     pld = PLDAccountant().step(noise_multiplier=1.0, sample_rate=0.01, num_steps=1000)
     grid = max(pld.direction_epsilons({(1.0, 0.01): 1000}, 1e-40).values())
-    assert pld.epsilon(1e-40) == grid < accounting.epsilon(1.0, 0.01, 1000, 1e-40, "rdp")
+    # at most the grid's (the accountant may refine it: 12.2862345 against 12.2862364 here)
+    assert grid * (1 - 1e-5) <= pld.epsilon(1e-40) <= grid < accounting.epsilon(1.0, 0.01, 1000, 1e-40, "rdp")
 
 
 def test_pld_with_a_full_batch_step_of_tiny_sigma_in_the_history():
@@ -562,3 +563,17 @@ def test_tiny_noise_at_sample_rate_one_and_near_the_underflow_answers():
         warnings.simplefilter("ignore")
         assert accounting.epsilon(1e-10, 1.0, 10, 1e-5, accountant="pld") >= 1e19
         assert log_a(0.5, 1e-153, 1.5) == math.inf
+
+
+@pytest.mark.parametrize("q, steps, delta, sigmas", [(1e-4, 1_000_000, 1e-8, (134.0, 136.0, 138.0, 140.0)),
+                                                    (1e-4, 1_000_000, 1e-8, (68.0, 68.3, 68.6, 68.9)),
+                                                    (1e-5, 5_000_000, 1e-10, (18.9, 19.3, 19.5, 19.8))])
+def test_pld_epsilon_has_no_jump_where_its_grid_is_refined(q, steps, delta, sigmas):
+    """Refining tenfold only below a fixed window (or below 1000 intervals) made epsilon(sigma)
+    fall 3x (0.0100 to 0.0032) or 23 % between neighbouring sigmas, and calibration landed up to
+    19 % below its target (regression reviews). Epsilon now falls smoothly with sigma."""
+    eps = [accounting.epsilon(s, q, steps, delta, accountant="pld") for s in sigmas]
+    assert all(0 < b < a < 1.03 * b for a, b in zip(eps, eps[1:]))
+    target = 0.5 * (eps[0] + eps[-1])
+    sigma = accounting.calibrate_noise(target, delta, q, steps)
+    assert 0.995 * target <= accounting.epsilon(sigma, q, steps, delta) <= target

@@ -467,7 +467,7 @@ def gaussian_epsilon(mu: float, delta: float) -> float:
 # --------------------------------------------------------------------------- accountant
 RDP_CHECK_DELTA = 1e-30  # below it, and from RDP_CHECK_STEPS steps on, epsilon is min(PLD, RDP)
 RDP_CHECK_STEPS = 10**7
-REFINEMENTS, REFINE_RTOL, REFINE_POINTS = 3, 0.01, 1 << 18  # see PLDAccountant._grid_epsilon
+REFINE_POINTS, REFINE_MOST = 1 << 18, 1000  # see PLDAccountant._grid_epsilon
 
 
 @register_accountant
@@ -531,19 +531,18 @@ class PLDAccountant(Accountant):
         return epsilon
 
     def _grid_epsilon(self, counts: Dict[Tuple[float, float], int], delta: float) -> float:
-        """Both directions' epsilon on the grid, refined tenfold while that is cheap (the refined
-        window within REFINE_POINTS points) and still changes epsilon by more than REFINE_RTOL, at
-        most REFINEMENTS times: each step's loss rounded up to the grid adds up over the steps
-        (0.016 at h = 1e-4 where the true epsilon is 0.0034: sigma 20, q 1e-4, 1e5 steps). Where
-        epsilon is small the losses are narrow, and so the refined grids are small too."""
-        h, epsilon = self.value_interval, math.inf
-        for _ in range(1 + REFINEMENTS):
-            plds = [self.composed_pld(counts, delta, d, h) for d in DIRECTIONS]
-            coarser, epsilon = epsilon, min(epsilon, max(pld.epsilon(delta) for pld in plds))
-            if (epsilon == 0.0 or epsilon >= (1.0 - REFINE_RTOL) * coarser
-                    or 10 * max(pld.probs.size for pld in plds) > REFINE_POINTS):
-                break
-            h /= 10.0
+        """Both directions' epsilon on the grid, and again on the finest grid whose window stays
+        within about REFINE_POINTS points (at most REFINE_MOST times finer) where that is finer:
+        each step's loss rounded up to the grid adds up over the steps (0.016 at h = 1e-4 where the
+        true epsilon is 0.0034: sigma 20, q 1e-4, 1e5 steps). A small epsilon's losses are narrow,
+        so its fine grid is cheap; the spacing follows the window's width, so epsilon(sigma) has
+        no jump where refining starts (a fixed tenfold step with a cap on the window had one)."""
+        h = self.value_interval
+        plds = [self.composed_pld(counts, delta, d, h) for d in DIRECTIONS]
+        epsilon = max(pld.epsilon(delta) for pld in plds)
+        fine = max(h * max(pld.probs.size for pld in plds) / REFINE_POINTS, h / REFINE_MOST)
+        if 0.0 < epsilon < math.inf and fine < h:
+            epsilon = min(epsilon, max(self.direction_epsilons(counts, delta, fine).values()))
         return epsilon
 
     def direction_epsilons(self, counts: Dict[Tuple[float, float], int], delta: float,
