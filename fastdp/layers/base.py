@@ -249,9 +249,22 @@ def in_layout_of(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``grad`` (x's shape) with ``x``'s strides, as torch's own backward keeps an input's layout:
     a layer's input gradient in another layout reaches the ops before it (torch's instance_norm
     backward is wrong for a channels-last gradient at batch size 1). A copy only where they differ."""
-    if grad.stride() == x.stride() or grad.shape != x.shape:
-        return grad
+    if grad.stride() == x.stride() or grad.shape != x.shape or not _dense(x):
+        return grad  # a view that skips elements (a CLS token's h[:, 0]): empty_like would be contiguous anyway
     return torch.empty_like(x, dtype=grad.dtype).copy_(grad)
+
+
+def _dense(x: torch.Tensor) -> bool:
+    """Whether ``x``'s elements fill its memory without gaps or overlap (a permuted contiguous
+    tensor, channels-last): the layouts ``empty_like`` keeps."""
+    expected = 1
+    for size, stride in sorted(zip(x.shape, x.stride()), key=lambda dim: dim[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
