@@ -216,12 +216,14 @@ class BatchLedger:
         self.closed_once = False  # a step (or a refused one) has closed the count since
         self.handed: Dict[int, tuple] = {}  # id -> (weak reference, batch number)
         self.last_chunk: Optional[int] = None  # samples in the batch (or chunk) handed out last
+        self.batch_samples: Optional[int] = 0  # samples of the batch taken last, over its chunks (None: unknown)
 
     def take(self, batch: Any, size: Optional[int] = None) -> None:
         """A new batch is handed out (``batch``: what the loop receives, or its first chunk, of
         ``size`` samples: the length of its index list)."""
         self.taken += 1
         self.handed = {key: entry for key, entry in self.handed.items() if entry[0]() is not None}
+        self.batch_samples = 0
         self.hand_out(batch, size)
 
     def hand_out(self, batch: Any, size: Optional[int] = None) -> None:
@@ -229,6 +231,7 @@ class BatchLedger:
         they are views of, as batch ``taken``'s (a layer input that is a view has the root tensor
         as ``_base``)."""
         self.last_chunk = size
+        self.batch_samples = None if size is None or self.batch_samples is None else self.batch_samples + size
         for t in _tensors_in(batch):
             for u in (t, t._base):
                 if u is not None:

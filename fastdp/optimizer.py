@@ -142,6 +142,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self.accountant = None
         self.loader = None  # the Poisson loader whose batches the steps take, once attached
         self._detached = False
+        self._warned_samples = False  # more samples clipped in a step than its batch holds, said once
         self._unfinished: Optional[_UnfinishedStep] = None  # a step that raised part-way
         if hasattr(inspect.getattr_static(type(module), "zero_grad"), "__set__"):
             raise TypeError(f"{type(module).__name__}.zero_grad is a property (a data descriptor): fastdp cannot hook "
@@ -321,7 +322,17 @@ class DPOptimizer(torch.optim.Optimizer):
         """Close the step in the attached loader's ledger, which raises where the step took other than
         one new batch; closed either way (the next step starts from here)."""
         if self.loader is not None:
-            self.loader.ledger.close_step(self.engine.pass_batches)
+            ledger = self.loader.ledger
+            handed = ledger.batch_samples if ledger.taken == ledger.stepped_at + 1 else None
+            ledger.close_step(self.engine.pass_batches)  # raises where the step took other than one new batch
+            if handed is not None and self.engine.samples_seen > handed and not self._warned_samples:
+                self._warned_samples = True
+                warnings.warn(
+                    f"this step clipped {self.engine.samples_seen} samples (rows) but its batch holds {handed}: "
+                    "samples fed to the model in two backward passes (micro-batches that overlap, where no "
+                    "trained layer sees the loader's tensors, e.g. behind a frozen first layer) are clipped "
+                    "twice while the noise is scaled for once; ignore this for data that does not come from the "
+                    "private dataset, such as a GAN's generated samples", UserWarning, stacklevel=4)
 
     def abandon_logical_batch(self) -> None:
         """Drop the clipped sums of a logical batch left before its last chunk (a loop over a

@@ -155,6 +155,31 @@ def test_micro_batches_sliced_from_the_loaders_batch_must_not_overlap(windows):
     assert opt.steps == opt.accountant.steps == 1
 
 
+@pytest.mark.parametrize("windows", [[(0, 6), (3, None)], [(0, 5), (5, None)]])
+def test_micro_batches_overlapping_behind_a_frozen_first_layer_are_warned_about(windows):
+    """No trained layer sees the loader's tensors behind a frozen first layer, so the passes' rows
+    cannot be told apart: a step that clipped more samples than its batch holds warns (third
+    regression review). Disjoint micro-batches do not."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4).requires_grad_(False), nn.Tanh(), nn.Linear(4, 2))
+    data = DataLoader(TensorDataset(torch.randn(60, 3), torch.randint(0, 2, (60,))), batch_size=12)
+    model, opt, loader = fastdp.make_private(module=model, optimizer=torch.optim.SGD(model[2].parameters(), lr=0.1),
+                                             data_loader=data, max_grad_norm=1.0, noise_multiplier=1.0, seed=0)
+    x, y = next(iter(loader))
+    assert len(x) > 6
+    opt.zero_grad()
+    for start, end in windows:
+        nn.functional.cross_entropy(model(x[start:end]), y[start:end], reduction="sum").backward()
+    overlap = windows[1][0] < windows[0][1]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    said = [str(w.message) for w in caught if "this step clipped" in str(w.message)]
+    assert len(said) == overlap and opt.steps == 1
+    if overlap:
+        assert f"clipped {len(x) + 3} samples (rows) but its batch holds {len(x)}" in said[0]
+
+
 def test_loops_left_after_a_step_go_on_and_chunks_of_a_left_batch_are_dropped():
     """A loop left with break after its step, or limited with islice, takes no batch it does
     not step on: the next loop goes on. A BatchMemoryManager loop left before a batch's step
@@ -687,10 +712,10 @@ def test_a_batch_from_outside_the_loader_in_its_own_pass_is_not_refused():
     for x, y in itertools.islice(loader, 5):
         opt.zero_grad()
         nn.functional.cross_entropy(model(x), y, reduction="sum").backward() if len(x) else None
-        with warnings.catch_warnings():
+        with warnings.catch_warnings():  # the pass's rows, then the step's samples, past the batch's: said
             warnings.simplefilter("ignore")
             model(torch.randn(12, 3)).sum().backward()  # generated samples: independent of the data
-        opt.step()
+            opt.step()
     assert opt.steps == 5
 
 
