@@ -95,7 +95,8 @@ class GradSampleEngine:
         # rows of its base each (layer, base tensor) saw in this pass: (first, step, count)
         self._pass_rows: Dict[tuple, tuple] = {}
         # the rows of the loader's batch tensors the layers saw in this pass / in the passes since the last
-        # step, by id: (weak reference, set of row indices), to tell the same samples in two passes by views
+        # step, by id: (weak reference, set of row ranges (first, step, count)), to tell the same samples in
+        # two passes by views
         self._pass_samples: Dict[int, tuple] = {}
         self._step_samples: Dict[int, tuple] = {}
         self._owned_grads: Dict[torch.Tensor, tuple] = {}
@@ -264,19 +265,19 @@ class GradSampleEngine:
                 "y[:, t], looks the same: if every call does see each sample once, in order, give each step's "
                 "input its own tensor (y[:, t].contiguous())")
         if self.ledger is not None and self.ledger.is_batch_tensor(base):
-            self._check_samples_once(base, set(range(rows[0], rows[0] + rows[1] * rows[2], rows[1])))
+            self._check_samples_once(base, rows)
 
-    def _check_samples_once(self, batch: torch.Tensor, rows: set) -> None:
+    def _check_samples_once(self, batch: torch.Tensor, rows: tuple) -> None:
         """Refuse rows of the loader's ``batch`` that an earlier pass since the last step saw
         through other views (overlapping micro-batches, x[:4] sliced twice): clipped twice."""
         earlier = self._step_samples.get(id(batch))
-        if earlier is not None and earlier[0]() is batch and not earlier[1].isdisjoint(rows):
+        if earlier is not None and earlier[0]() is batch and not _row_set({rows}).isdisjoint(_row_set(earlier[1])):
             raise UnsupportedModuleError(
                 "this backward pass's layers saw samples of the loader's batch that an earlier pass since the "
                 "last step saw too (micro-batches that overlap, or one sliced twice): each pass clips its samples "
                 "on their own, so they would count twice while the noise is scaled for once; split the batch into "
                 "disjoint chunks (one backward() each), or call backward() once")
-        self._pass_samples.setdefault(id(batch), (weakref.ref(batch), set()))[1].update(rows)
+        self._pass_samples.setdefault(id(batch), (weakref.ref(batch), set()))[1].add(rows)
 
     # -- after each backward pass ---------------------------------------------------------
     def _finish_backward(self) -> None:
@@ -545,6 +546,11 @@ class GradSampleEngine:
         self._step_taps = {}
         self._step_samples = {}
         self.pass_batches = set()
+
+
+def _row_set(ranges: set) -> set:
+    """The row indices of row ranges ``(first, step, count)``."""
+    return {row for first, step, count in ranges for row in range(first, first + step * count, step)}
 
 
 def _stale_forward(module: nn.Module) -> bool:
