@@ -164,8 +164,11 @@ class DistributedDPOptimizer(DPOptimizer):
                 "from a checkpoint")
         rest = repr((self.clipping.settings(), self.engine.loss_reduction))
         digest = int.from_bytes(hashlib.sha256(rest.encode()).digest()[:6], "little")  # exact in float64
+        rate = self._loader_rate()
         named = {"the clipping sensitivity (max_grad_norm)": self.clipping.sensitivity,
                  "expected_batch_size": float(self.expected_batch_size),
+                 # rank 0's accountant counts its own loader's rate: every rank's must draw at it
+                 "the attached loader's sample rate (-1: none attached)": -1.0 if rate is None else float(rate),
                  "the clipping settings (clipping mode, per-layer bounds, gamma or loss_reduction)": float(digest)}
         values = torch.tensor([v for x in named.values() for v in (x, -x)], dtype=torch.float64,
                               device=self.engine.params[0].device if self.engine.params else "cpu")
@@ -173,7 +176,7 @@ class DistributedDPOptimizer(DPOptimizer):
         for i, name in enumerate(named):
             high, low = values[2 * i].item(), -values[2 * i + 1].item()
             if high != low:
-                spread = "" if i == 2 else f" (from {low:.6g} to {high:.6g})"
+                spread = "" if name.startswith("the clipping settings") else f" (from {low:.6g} to {high:.6g})"
                 raise ValueError(
                     f"the ranks disagree on {name}{spread}: every rank must clip and divide as rank 0 does, whose "
                     "noise covers only its own sensitivity; set the same values on all ranks, then step again")

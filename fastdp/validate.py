@@ -38,6 +38,15 @@ def find_problems(module: nn.Module, params: Optional[Iterable[torch.Tensor]] = 
                 " or freeze what it is computed from (the layer's other parameters may train)")
             continue
         trainable = [n for n, p in child.named_parameters(recurse=False) if p.requires_grad]
+        not_real = [n for n, p in child.named_parameters(recurse=False) if p.requires_grad and not
+                    (p.is_floating_point() or isinstance(p, nn.parameter.UninitializedParameter))]
+        if not_real:
+            names = ", ".join(f"'{path + '.' if path else ''}{n}'" for n in not_real)
+            problems.append(f"{where} has trainable parameter(s) {names} of a dtype other than a real floating one "
+                            "(complex): fastdp's norms, clipped sums and noise are for real parameters (an "
+                            "imaginary part would be dropped, unclipped and unnoised); train real and imaginary "
+                            "parts as two real parameters")
+            continue
         if isinstance(child, LazyModuleMixin) and child.has_uninitialized_params():
             problems.append(f"{where} has not made its parameters yet (a lazy layer): run one forward pass on a "
                             "sample batch before building the optimizer")

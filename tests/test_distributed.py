@@ -129,6 +129,16 @@ def worker(rank, port, out):
             except ValueError as exc:
                 result["disagree"].append(str(exc))
         result["disagree_steps"] = (opt.steps, len(accountant.history))
+        # 7b. ranks whose loaders draw at different rates: rank 0's accountant counts only its own
+        model = make_model(7)
+        opt = DistributedDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), module=model, noise_multiplier=1.0,
+                                     max_grad_norm=C, expected_batch_size=1.0)
+        opt.attach_loader(distributed_poisson_loader(DataLoader(TensorDataset(x, y), batch_size=1),
+                                                     sample_rate=RATE * (1 + rank)))
+        try:
+            opt.step()
+        except ValueError as exc:
+            result["rates"] = (str(exc), opt.steps)
         # 8. a retry of a step that failed midway (here marked so on both ranks) is refused before any
         # collective; given up with zero_grad() on every rank, the next step runs
         model = make_model(7)
@@ -259,6 +269,14 @@ def test_ranks_that_clip_or_divide_differently_are_refused_before_the_step_count
         assert "expected_batch_size" in second and "from 1 to 2)" in second
         assert "clipping settings" in third  # flat C on rank 0, per-layer bounds summing to C on rank 1
         assert rank["disagree_steps"] == (0, 0)
+
+
+def test_ranks_whose_loaders_draw_at_different_rates_are_refused(runs):
+    """Rank 0's accountant recorded its own loader's rate while rank 1 drew 10x as often: its
+    examples' use went uncounted (adversarial review)."""
+    for rank in runs:
+        message, steps = rank["rates"]
+        assert "sample rate" in message and steps == 0
 
 
 def test_a_data_parallel_step_that_failed_midway_is_not_retried(runs):

@@ -853,3 +853,12 @@ def test_an_accountant_attached_after_steps_must_have_recorded_them():
     caught_up = RDPAccountant().step(noise_multiplier=1.0, sample_rate=0.5, num_steps=3)
     opt.attach_accountant(caught_up, 0.5)
     assert opt.accountant is caught_up
+
+
+def test_complex_parameters_are_refused():
+    """A complex Linear was accepted: the kernels dropped the imaginary part, the noise was real, and
+    a sample's release reached 2.3 C at sigma 0 (adversarial review)."""
+    model = nn.Sequential(nn.Linear(3, 2, dtype=torch.complex64))
+    with pytest.raises(fastdp.UnsupportedModuleError, match=r"'0.weight', '0.bias' of a dtype other than a real"):
+        make(model)
+    assert "forward" not in model[0].__dict__
