@@ -25,6 +25,9 @@ def find_problems(module: nn.Module, params: Optional[Iterable[torch.Tensor]] = 
         problems.append("the model is wrapped in DistributedDataParallel, whose all-reduce of unclipped gradients "
                         "bypasses per-sample clipping: pass the plain module to fastdp.DistributedDPOptimizer, "
                         "which all-reduces the clipped, noised sums itself")
+    # parameters a supported layer owns under its rule's names: another module's alias of one (self.w =
+    # self.fc.weight) is no use of it; a use outside the layer's forward is caught at the first backward
+    owned = {id(p) for m in module.modules() if rule_for(m) is not None for p in rule_for(m).trainable(m).values()}
     for path, child in module.named_modules():
         where = f"module '{path or '<root>'}' ({type(child).__name__})"
         if isinstance(child, parametrize.ParametrizationList):
@@ -37,7 +40,8 @@ def find_problems(module: nn.Module, params: Optional[Iterable[torch.Tensor]] = 
                 f"(torch.nn.utils.parametrize.remove_parametrizations(layer, {next(iter(child.parametrizations))!r}))"
                 " or freeze what it is computed from (the layer's other parameters may train)")
             continue
-        trainable = [n for n, p in child.named_parameters(recurse=False) if p.requires_grad]
+        trainable = [n for n, p in child.named_parameters(recurse=False)
+                     if p.requires_grad and (rule_for(child) is not None or id(p) not in owned)]
         not_real = [n for n, p in child.named_parameters(recurse=False) if p.requires_grad and not
                     (p.is_floating_point() or isinstance(p, nn.parameter.UninitializedParameter))]
         if not_real:

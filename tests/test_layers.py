@@ -563,3 +563,22 @@ def test_instance_norm_at_batch_size_one_gets_a_gradient_in_its_own_layout(affin
     opt.step()
     for p, want in zip(model.parameters(), reference.parameters()):
         assert torch.allclose(p.grad, want.grad, rtol=1e-10, atol=1e-12)
+
+
+class _AliasingParent(nn.Module):
+    """Holds an alias of its layer's weight (self.w = self.fc.weight), used only through the layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.w = self.fc.weight
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def test_a_parents_alias_of_a_layers_parameter_is_not_refused():
+    """named_parameters() names the weight under the parent first ('w'), which has no rule: it was
+    refused as a parameter fastdp cannot clip (adversarial review)."""
+    torch.manual_seed(0)
+    check_exact(_AliasingParent(), [torch.randn(5, 4)])
