@@ -155,7 +155,7 @@ class PoissonBatchSampler(Sampler[List[int]]):
 def _empty_like(batch: Any) -> Any:
     """``batch`` (a collated batch of one example) cut to zero examples. A leaf it cannot cut
     is refused: left as it was, the example would be trained on in an empty batch's step."""
-    if isinstance(batch, (torch.Tensor, np.ndarray)):
+    if isinstance(batch, (torch.Tensor, np.ndarray)) and batch.ndim > 0:
         return batch[:0]
     if isinstance(batch, Mapping):
         items = {k: _empty_like(v) for k, v in batch.items()}
@@ -165,10 +165,11 @@ def _empty_like(batch: Any) -> Any:
             return type(batch)()  # per-example strings (default_collate keeps them as a list or tuple)
         items = [_empty_like(v) for v in batch]
         return type(batch)(items) if not hasattr(batch, "_fields") else type(batch)(*items)
+    kind = f"0-dim {type(batch).__name__}" if isinstance(batch, (torch.Tensor, np.ndarray)) else type(batch).__name__
     raise TypeError(
-        f"fastdp cannot build an empty batch from a collated {type(batch).__name__}: an empty Poisson "
-        "batch must hold no example; collate to tensors, numpy arrays, dicts/mappings, lists or tuples of "
-        "them (or per-example strings)")
+        f"fastdp cannot build an empty batch from a collated {kind}: an empty Poisson batch must hold no "
+        "example; collate to tensors or numpy arrays with the examples on dim 0, dicts/mappings, lists or "
+        "tuples of them (or per-example strings)")
 
 
 def _tensors_in(batch: Any) -> Iterator[torch.Tensor]:
