@@ -178,8 +178,9 @@ class DistributedDPOptimizer(DPOptimizer):
             if high != low:
                 spread = "" if name.startswith("the clipping settings") else f" (from {low:.6g} to {high:.6g})"
                 raise ValueError(
-                    f"the ranks disagree on {name}{spread}: every rank must clip and divide as rank 0 does, whose "
-                    "noise covers only its own sensitivity; set the same values on all ranks, then step again")
+                    f"the ranks disagree on {name}{spread}: every rank must clip, divide and sample as rank 0 "
+                    "does, whose noise and accountant cover only its own settings; set the same values on all "
+                    "ranks, then step again")
 
     def noisy_average(self, sums: List[torch.Tensor], divisor: float,
                       dtypes: Optional[List[torch.dtype]] = None) -> List[torch.Tensor]:
