@@ -15,7 +15,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.nn.modules.lazy import LazyModuleMixin
 
-from fastdp.layers import UnsupportedModuleError, rule_for, rule_for_type, supported_types
+from fastdp.layers import UnsupportedModuleError, layer_class, rule_for, rule_for_type, supported_types
 
 
 def find_problems(module: nn.Module, params: Optional[Iterable[torch.Tensor]] = None) -> List[str]:
@@ -27,7 +27,8 @@ def find_problems(module: nn.Module, params: Optional[Iterable[torch.Tensor]] = 
                         "which all-reduces the clipped, noised sums itself")
     # parameters a supported layer owns under its rule's names: another module's alias of one (self.w =
     # self.fc.weight) is no use of it; a use outside the layer's forward is caught at the first backward
-    owned = {id(p) for m in module.modules() if rule_for(m) is not None for p in rule_for(m).trainable(m).values()}
+    rules = {m: rule_for(m) for m in module.modules()}
+    owned = {id(p) for m, rule in rules.items() if rule is not None for p in rule.trainable(m).values()}
     for path, child in module.named_modules():
         where = f"module '{path or '<root>'}' ({type(child).__name__})"
         if isinstance(child, parametrize.ParametrizationList):
@@ -40,8 +41,9 @@ def find_problems(module: nn.Module, params: Optional[Iterable[torch.Tensor]] = 
                 f"(torch.nn.utils.parametrize.remove_parametrizations(layer, {next(iter(child.parametrizations))!r}))"
                 " or freeze what it is computed from (the layer's other parameters may train)")
             continue
+        rule = rules[child]
         trainable = [n for n, p in child.named_parameters(recurse=False)
-                     if p.requires_grad and (rule_for(child) is not None or id(p) not in owned)]
+                     if p.requires_grad and (rule is not None or id(p) not in owned)]
         not_real = [n for n, p in child.named_parameters(recurse=False) if p.requires_grad and not
                     (p.is_floating_point() or isinstance(p, nn.parameter.UninitializedParameter))]
         if not_real:
@@ -62,13 +64,12 @@ def find_problems(module: nn.Module, params: Optional[Iterable[torch.Tensor]] = 
                 "replace it with GroupNorm (model = fastdp.fix(model))"
             )
             continue
-        rule = rule_for(child)
         if rule is None:
             if trainable:
                 names = ", ".join(f"'{path + '.' if path else ''}{n}'" for n in trainable)
                 problems.append(
                     f"{where} has trainable parameter(s) {names} but fastdp has no per-sample rule "
-                    f"for {_layer_class(child).__name__}; supported layers: "
+                    f"for {layer_class(child).__name__}; supported layers: "
                     f"{', '.join(sorted(t.__name__ for t in supported_types()))}. Freeze them "
                     "(requires_grad_(False)), rebuild the layer from supported ones, or register "
                     f"a rule with fastdp.layers.register{_subclass_hint(child)}"
@@ -96,15 +97,10 @@ def find_problems(module: nn.Module, params: Optional[Iterable[torch.Tensor]] = 
     return problems
 
 
-def _layer_class(module: nn.Module) -> type:
-    """The module's class, past torch's generated subclass of a parametrized module (as rule_for)."""
-    return type(module).__bases__[0] if parametrize.is_parametrized(module) else type(module)
-
-
 def _subclass_hint(module: nn.Module) -> str:
     """Rules match exact types (a subclass may change forward): for a subclass of a supported
     layer whose forward is the layer's own, say how to reuse the layer's rule."""
-    cls = _layer_class(module)
+    cls = layer_class(module)
     base = next((t for t in cls.__mro__[1:] if t in supported_types()), None)
     if base is None:
         return ""

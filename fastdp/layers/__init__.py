@@ -23,10 +23,13 @@ def register(rule: LayerRule) -> LayerRule:
 
 
 def rule_for(module: nn.Module) -> Optional[LayerRule]:
-    cls = type(module)
-    if parametrize.is_parametrized(module):  # torch's generated subclass: the layer's forward, tensors as properties
-        cls = cls.__bases__[0]
-    return rule_for_type(cls)
+    return rule_for_type(layer_class(module))
+
+
+def layer_class(module: nn.Module) -> type:
+    """The module's class; for a parametrized module, the class torch generated its subclass from
+    (the layer's forward, tensors as properties)."""
+    return type(module).__bases__[0] if parametrize.is_parametrized(module) else type(module)
 
 
 def rule_for_type(cls: type) -> Optional[LayerRule]:
@@ -41,5 +44,5 @@ def supported_types():
 # Importing the families registers their rules.
 from fastdp.layers import conv, embedding, linear, norm  # noqa: E402,F401
 
-__all__ = ["LayerRule", "Record", "Tap", "UnsupportedModuleError", "register", "rule_for", "rule_for_type",
-           "supported_types"]
+__all__ = ["LayerRule", "Record", "Tap", "UnsupportedModuleError", "layer_class", "register", "rule_for",
+           "rule_for_type", "supported_types"]
