@@ -80,8 +80,8 @@ class GradSampleEngine:
         self.skipped_samples = 0
         self._pending: List[Record] = []
         self._queued_task: Optional[int] = None  # the autograd graph task whose end runs _finish_backward
-        # earlier passes' state set aside when a pass started: one run inside them hands theirs back
-        self._suspended: List[tuple] = []
+        # earlier passes' state (_PASS_STATE) set aside when a pass started: one run inside them hands theirs back
+        self._suspended: List[dict] = []
         # layer inputs of this backward pass / of the earlier ones since the last step, by id:
         # (weak reference, version), to tell the same samples backpropagated twice
         self._pass_inputs: Dict[int, tuple] = {}
@@ -216,8 +216,7 @@ class GradSampleEngine:
         before its end, autograd dropped its callback, and nothing of it is clipped or counted: the
         next pass to end outside any other drops it (with a flag instead, no later pass queued a
         callback again)."""
-        self._suspended.append((self._pending, self._pass_inputs, self._pass_bases, self._pass_rows,
-                                self._pass_samples, self._pass_taps, self._queued_task))
+        self._suspended.append({name: getattr(self, name) for name in _PASS_STATE})
         self._drop_pass()
         self._queued_task = task
         torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
@@ -228,10 +227,10 @@ class GradSampleEngine:
         if torch._C._current_autograd_node() is None:  # outside any other pass: the set-aside ones raised
             self._suspended.clear()
         elif self._suspended:
-            (self._pending, self._pass_inputs, self._pass_bases, self._pass_rows, self._pass_samples,
-             self._pass_taps, self._queued_task) = self._suspended.pop()
+            self.__dict__.update(self._suspended.pop())
 
     def _drop_pass(self) -> None:
+        """Start the state of one backward pass afresh (its attributes: ``_PASS_STATE``)."""
         self._pending, self._pass_inputs, self._pass_bases, self._pass_rows = [], {}, {}, {}
         self._pass_samples, self._pass_taps = {}, {}
         self._queued_task = None
@@ -546,6 +545,12 @@ class GradSampleEngine:
         self._step_taps = {}
         self._step_samples = {}
         self.pass_batches = set()
+
+
+# what one backward pass collects until its end (_drop_pass starts each afresh); set aside whole
+# while a pass runs inside it
+_PASS_STATE = ("_pending", "_pass_inputs", "_pass_bases", "_pass_rows", "_pass_samples", "_pass_taps",
+               "_queued_task")
 
 
 def _row_set(ranges: set) -> set:
