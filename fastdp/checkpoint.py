@@ -62,7 +62,7 @@ def state_dict(*, model: nn.Module, optimizer, data_loader=None, include_secrets
     if data_loader is not None:
         loader_state = data_loader.state_dict(include_secrets)
         ledger = data_loader.ledger
-        if data_loader is optimizer.loader and not optimizer.engine.pass_batches and ledger.taken > ledger.stepped_at:
+        if data_loader is optimizer.loader and not optimizer.engine.step_batches and ledger.taken > ledger.stepped_at:
             # taken since the last step and not trained on yet (a save at the top of the loop body): the
             # resumed run draws it again, as the uninterrupted run goes on to train on it. Only an attached
             # loader's steps are known (attach_loader)

@@ -270,13 +270,13 @@ class BatchLedger:
         """Whether any of ``batches`` is one an earlier step already released."""
         return any(n <= self.stepped_at for n in batches)
 
-    def close_step(self, pass_batches: set) -> None:
-        """Check, at a step, that it took exactly one new batch: ``pass_batches`` are the
+    def close_step(self, step_batches: set) -> None:
+        """Check, at a step, that it took exactly one new batch: ``step_batches`` are the
         batches its backward passes came from (:meth:`batches_of`). Refused: a pass on a batch
         an earlier step released, several batches handed out since the last step, or passes on
         several. Either way the next step starts from here."""
         drawn = self.taken - self.stepped_at
-        reused = self._reused(pass_batches)
+        reused = self._reused(step_batches)
         self.stepped_at, self.closed_once = self.taken, True
         if reused:
             raise RuntimeError(
@@ -286,9 +286,9 @@ class BatchLedger:
                 "from outside the loader, which the accountant does not cover. Take the next batch from the "
                 "loader before backward() and train on it; call zero_grad() to drop a backward pass made for "
                 "another purpose")
-        if drawn > 1 or len(pass_batches) > 1:
+        if drawn > 1 or len(step_batches) > 1:
             raise RuntimeError(
-                f"{max(drawn, len(pass_batches))} Poisson batches of the data loader went into this step: the "
+                f"{max(drawn, len(step_batches))} Poisson batches of the data loader went into this step: the "
                 "accountant counts one batch per step, and every batch handed out must go into one. Summing "
                 "several batches' gradients can hold a sample several times; a batch taken and not stepped on "
                 "(skipped with continue, or held when a loop was left with break and another loop went on) is "

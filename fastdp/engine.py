@@ -31,8 +31,8 @@ from torch import nn
 
 from fastdp import ops
 from fastdp.layers import Record, Tap, UnsupportedModuleError, rule_for
-from fastdp.layers.base import sq_norms_of, weighted_sum
-from fastdp.ops import compute_dtype
+from fastdp.layers.base import weighted_sum
+from fastdp.ops import compute_dtype, sample_sq_norms
 from fastdp.validate import validate
 
 LOSS_REDUCTIONS = ("mean", "sum")
@@ -78,32 +78,13 @@ class GradSampleEngine:
         self.samples_seen = 0  # samples clipped since the last step (or clear())
         self.generation = 0  # counts the passes completed and the clears: what a retried step checks
         self.skipped_samples = 0
-        self._pending: List[Record] = []
-        self._queued_task: Optional[int] = None  # the autograd graph task whose end runs _finish_backward
-        # earlier passes' state (_PASS_STATE) set aside when a pass started: one run inside them hands theirs back
+        self._drop_pass()  # the state of one backward pass: _PASS_STATE
+        self._drop_step_state()  # what the passes since the last step saw: _STEP_STATE
+        # earlier passes' state set aside when a pass started: one run inside them hands theirs back
         self._suspended: List[dict] = []
-        # layer inputs of this backward pass / of the earlier ones since the last step, by id:
-        # (weak reference, version), to tell the same samples backpropagated twice
-        self._pass_inputs: Dict[int, tuple] = {}
-        self._step_inputs: Dict[int, tuple] = {}
-        # the forward calls (their Taps, by id) this pass / the passes since the last step went through
-        self._pass_taps: Dict[int, Tap] = {}
-        self._step_taps: Dict[int, Tap] = {}
-        # the tensors this backward pass's layer inputs are views of, by id (weak references): with
-        # the inputs themselves, what finds the data batch the pass came from (attach_loader)
-        self._pass_bases: Dict[int, weakref.ref] = {}
-        # rows of its base each (layer, base tensor) saw in this pass: (first, step, count)
-        self._pass_rows: Dict[tuple, tuple] = {}
-        # the rows of the loader's batch tensors the layers saw in this pass / in the passes since the last
-        # step, by id: (weak reference, set of row ranges (first, step, count)), to tell the same samples in
-        # two passes by views
-        self._pass_samples: Dict[int, tuple] = {}
-        self._step_samples: Dict[int, tuple] = {}
         self._owned_grads: Dict[torch.Tensor, tuple] = {}
         self.ledger = None  # the attached Poisson loader's BatchLedger (fastdp.data), if any
         self._warned_rows = False
-        # which data batches each backward pass since the last step came from, given its sources
-        self.pass_batches: set = set()
         self._patched: List[nn.Module] = []
         self.adopt_current_grads()
         self._warn_about_unprivatised()  # before hooking: a warning raised as an error leaves no hook behind
@@ -231,9 +212,13 @@ class GradSampleEngine:
 
     def _drop_pass(self) -> None:
         """Start the state of one backward pass afresh (its attributes: ``_PASS_STATE``)."""
-        self._pending, self._pass_inputs, self._pass_bases, self._pass_rows = [], {}, {}, {}
-        self._pass_samples, self._pass_taps = {}, {}
-        self._queued_task = None
+        for name, fresh in _PASS_STATE.items():
+            setattr(self, name, fresh())
+
+    def _drop_step_state(self) -> None:
+        """Forget what the passes since the last step saw (``_STEP_STATE``)."""
+        for name, fresh in _STEP_STATE.items():
+            setattr(self, name, fresh())
 
     def _check_rows(self, module: nn.Module, x: torch.Tensor) -> None:
         """A layer's calls in one pass are combined sample by sample (by index), so each call must
@@ -264,19 +249,30 @@ class GradSampleEngine:
                 "y[:, t], looks the same: if every call does see each sample once, in order, give each step's "
                 "input its own tensor (y[:, t].contiguous())")
         if self.ledger is not None and self.ledger.is_batch_tensor(base):
-            self._check_samples_once(base, rows)
+            self._note_samples(base, rows)
 
-    def _check_samples_once(self, batch: torch.Tensor, rows: tuple) -> None:
-        """Refuse rows of the loader's ``batch`` that an earlier pass since the last step saw
-        through other views (overlapping micro-batches, x[:4] sliced twice): clipped twice."""
-        earlier = self._step_samples.get(id(batch))
-        if earlier is not None and earlier[0]() is batch and not _row_set({rows}).isdisjoint(_row_set(earlier[1])):
-            raise UnsupportedModuleError(
-                "this backward pass's layers saw samples of the loader's batch that an earlier pass since the "
-                "last step saw too (micro-batches that overlap, or one sliced twice): each pass clips its samples "
-                "on their own, so they would count twice while the noise is scaled for once; split the batch into "
-                "disjoint chunks (one backward() each), or call backward() once")
-        self._pass_samples.setdefault(id(batch), (weakref.ref(batch), set()))[1].add(rows)
+    def _note_samples(self, batch: torch.Tensor, rows: tuple) -> None:
+        """Keep the rows of the loader's ``batch`` a layer call saw: ``_check_samples_once`` compares
+        them with the earlier passes' at the pass's end."""
+        seen = self._pass_samples.get(id(batch))
+        if seen is None or seen[0]() is not batch:
+            seen = self._pass_samples[id(batch)] = (weakref.ref(batch), set())
+        seen[1].add(rows)
+
+    def _check_samples_once(self, samples: Dict[int, tuple]) -> None:
+        """Refuse rows of the loader's batch tensors (this pass's ``_pass_samples``) that an earlier
+        pass since the last step saw through other views (overlapping micro-batches, x[:4] sliced
+        twice): clipped twice."""
+        for key, (ref, ranges) in samples.items():
+            earlier = self._step_samples.get(key)
+            if earlier is None or earlier[0]() is not ref():
+                continue
+            if any(not earlier[1].isdisjoint(_rows(rows)) for rows in ranges):
+                raise UnsupportedModuleError(
+                    "this backward pass's layers saw samples of the loader's batch that an earlier pass since the "
+                    "last step saw too (micro-batches that overlap, or one sliced twice): each pass clips its "
+                    "samples on their own, so they would count twice while the noise is scaled for once; split "
+                    "the batch into disjoint chunks (one backward() each), or call backward() once")
 
     # -- after each backward pass ---------------------------------------------------------
     def _finish_backward(self) -> None:
@@ -287,7 +283,7 @@ class GradSampleEngine:
             return
         # checks first, then everything the pass adds at once at the end: a pass that raises (a refusal,
         # a non-finite sample, an interrupt) leaves no partial sums and no inputs marked as seen
-        self._check_pass(inputs, taps)
+        self._check_pass(inputs, taps, samples)
         batch = self._batch_size(records)
         if batch == 0:  # an empty (Poisson) batch: nothing to clip, the step adds noise only
             self.generation += 1  # still a pass: a step failed before it is not retried on it
@@ -322,20 +318,21 @@ class GradSampleEngine:
         self.generation += 1
         self._step_inputs.update(inputs)
         self._step_taps.update(taps)
-        for key, (ref, rows) in samples.items():
+        for key, (ref, ranges) in samples.items():
             earlier = self._step_samples.get(key)
-            if earlier is not None and earlier[0]() is ref():
-                earlier[1].update(rows)
-            else:
-                self._step_samples[key] = (ref, set(rows))
+            if earlier is None or earlier[0]() is not ref():
+                earlier = self._step_samples[key] = (ref, set())
+            for rows in ranges:
+                earlier[1].update(_rows(rows))
         self.samples_seen += batch
         if found is not None:
-            self.pass_batches.update(found)
+            self.step_batches.update(found)
 
-    def _check_pass(self, inputs: Dict[int, tuple], taps: Dict[int, Tap]) -> None:
+    def _check_pass(self, inputs: Dict[int, tuple], taps: Dict[int, Tap], samples: Dict[int, tuple]) -> None:
         """Refuse a pass that would clip samples seen before, or a part of their gradients on its
         own (a pass inside another one), or whose parameters got gradients outside the hooks."""
         self._check_new_samples(inputs, taps)
+        self._check_samples_once(samples)
         if torch._C._current_autograd_node() is not None:
             # A backward pass run from inside another one's node (reentrant checkpointing): its
             # callback would clip the samples' gradients of this inner part on their own.
@@ -382,7 +379,7 @@ class GradSampleEngine:
                 norms.append(n)
         for p, grads in shared.items():
             params.append(p)
-            norms.append(sq_norms_of(grads))
+            norms.append(sample_sq_norms(grads))
         return params, norms
 
     def _check_rows_per_sample(self, rows: int, samples: Optional[int], traced: bool) -> None:
@@ -541,21 +538,42 @@ class GradSampleEngine:
         self.summed.clear()
         self.generation += 1
         self.samples_seen = 0
-        self._step_inputs = {}
-        self._step_taps = {}
-        self._step_samples = {}
-        self.pass_batches = set()
+        self._drop_step_state()
 
 
-# what one backward pass collects until its end (_drop_pass starts each afresh); set aside whole
-# while a pass runs inside it
-_PASS_STATE = ("_pending", "_pass_inputs", "_pass_bases", "_pass_rows", "_pass_samples", "_pass_taps",
-               "_queued_task")
+# What one backward pass collects until its end, attribute by attribute (a factory of its empty value):
+# _drop_pass starts each afresh, and the whole is set aside while a pass runs inside it (_start_pass).
+# Tensors are keyed by id() with a weak reference beside them: a later tensor given a freed one's id
+# is told apart.
+_PASS_STATE = {
+    "_pending": list,  # the Records of the pass's hooked layer calls
+    # layer inputs by id: (weak reference, version), to tell the same samples backpropagated twice
+    "_pass_inputs": dict,
+    "_pass_taps": dict,  # the forward calls (their Taps) the pass went through, by id
+    # the tensors the layer inputs are views of, by id (weak references): with the inputs themselves,
+    # what finds the data batch the pass came from (attach_loader)
+    "_pass_bases": dict,
+    "_pass_rows": dict,  # rows of its base each (layer id, base id) saw: (first, step, count)
+    # rows of the loader's batch tensors the layers saw, by id: (weak reference, set of (first, step, count))
+    "_pass_samples": dict,
+    "_queued_task": lambda: None,  # the autograd graph task whose end runs _finish_backward
+}
+
+# What the passes since the last step saw (each completed pass adds its own; clear() starts afresh).
+_STEP_STATE = {
+    "_step_inputs": dict,  # as _pass_inputs
+    "_step_taps": dict,  # as _pass_taps
+    # the rows of the loader's batch tensors, by id: (weak reference, set of row indices), to tell the
+    # same samples in two passes by views (overlapping micro-batches)
+    "_step_samples": dict,
+    "step_batches": set,  # which data batches of the attached loader the passes came from
+}
 
 
-def _row_set(ranges: set) -> set:
-    """The row indices of row ranges ``(first, step, count)``."""
-    return {row for first, step, count in ranges for row in range(first, first + step * count, step)}
+def _rows(ranges: tuple) -> range:
+    """The row indices of a row range ``(first, step, count)``."""
+    first, step, count = ranges
+    return range(first, first + step * count, step)
 
 
 def _stale_forward(module: nn.Module) -> bool:

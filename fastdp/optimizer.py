@@ -25,7 +25,7 @@ import types
 import warnings
 import weakref
 from collections import OrderedDict
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Union
+from typing import Callable, List, NamedTuple, Optional, Sequence, Union
 
 import torch
 import torch.optim.optimizer as torch_optimizer_module
@@ -324,7 +324,7 @@ class DPOptimizer(torch.optim.Optimizer):
         if self.loader is not None:
             ledger = self.loader.ledger
             handed = ledger.batch_samples if ledger.taken == ledger.stepped_at + 1 else None
-            ledger.close_step(self.engine.pass_batches)  # raises where the step took other than one new batch
+            ledger.close_step(self.engine.step_batches)  # raises where the step took other than one new batch
             if handed is not None and self.engine.samples_seen > handed and not self._warned_samples:
                 self._warned_samples = True
                 warnings.warn(
