@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
-from fastdp import bench
 from fastdp.allocator import keep_freed_memory
 from interleaved import build_steps  # bench/ is on sys.path when run as a script
 

@@ -114,7 +114,7 @@ def conv_routes(x, g, spec, weight_shape, fused):
     (``ops.conv_sq_norms``' signature) for each route, and its direct route writing the input
     gradient too; plus, as yardsticks, the layer's summed weight gradient, which is what the
     non-private step pays for it, and aten's input gradient, which both steps pay."""
-    from fastdp.layers.base import sq_norms_of
+    from fastdp.ops import sample_sq_norms
     from fastdp.layers.conv import ConvRule, _convolution_backward
 
     rule = ConvRule()
@@ -122,7 +122,7 @@ def conv_routes(x, g, spec, weight_shape, fused):
     weight = torch.randn(weight_shape, device=x.device)
     return {
         "composed ghost (unfold)": lambda: rule._ghost_sq_norms(x, g, spec, d, p, seq),
-        "composed direct (grouped conv)": lambda: sq_norms_of(rule._per_sample_weight(x, g, spec, weight_shape)),
+        "composed direct (grouped conv)": lambda: sample_sq_norms(rule._per_sample_weight(x, g, spec, weight_shape)),
         "native ghost": lambda: fused(x, g, spec, True)[0],
         "native direct": lambda: fused(x, g, spec, False)[0],
         "native direct, kept gradients": lambda: fused(x, g, spec, False, keep_grads=True)[0],

@@ -54,9 +54,6 @@ class Record:
     def names(self) -> Tuple[str, ...]:
         return tuple(self.params)
 
-    def param(self, name: str) -> torch.Tensor:
-        return self.params[name]
-
     def release(self) -> None:
         """Drop the activation and output gradient once everything needed is in ``cache``."""
         self.activation = self.grad_output = None
@@ -190,7 +187,7 @@ class LayerRule:
 
     def sq_norms(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
         """Norms :meth:`prepare` already found, else from the instantiated per-sample gradients."""
-        return {n: rec.norms[n] if n in rec.norms else sq_norms_of(self.cached_grads(rec, [n])[n])
+        return {n: rec.norms[n] if n in rec.norms else ops.sample_sq_norms(self.cached_grads(rec, [n])[n])
                 for n in names}
 
     def per_sample_grads(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
@@ -211,11 +208,6 @@ def check_batched(module: nn.Module, x: torch.Tensor, spatial: int) -> None:
         raise UnsupportedModuleError(
             f"{type(module).__name__} got an input of shape {tuple(x.shape)}: fastdp needs a batched input "
             f"(B, C, {', '.join('S' * spatial)}); add the batch dimension with x.unsqueeze(0)")
-
-
-def sq_norms_of(per_sample: torch.Tensor) -> torch.Tensor:
-    """Squared L2 norm of each sample's slice of ``per_sample`` (B, ...), as float64 (B,)."""
-    return ops.sample_sq_norms(per_sample)
 
 
 def with_rounding_allowance(sq_norms: torch.Tensor, slack: torch.Tensor, seq: int,

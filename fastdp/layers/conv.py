@@ -35,8 +35,9 @@ from torch import nn
 from fastdp import ops
 from fastdp.layers import register
 from fastdp.layers.base import (LayerRule, Record, Tap, as_dtype, batch_chunks, check_batched, expand_like,
-                                sq_norms_of, weighted_sum, with_gram_allowance, with_rounding_allowance)
+                                weighted_sum, with_gram_allowance, with_rounding_allowance)
 from fastdp.layers.linear import route_costs
+from fastdp.ops import sample_sq_norms
 
 _CONV_FN = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 
@@ -319,7 +320,7 @@ class ConvRule(LayerRule):
             psg = self._per_sample_weight(x[c], g[c], spec, weight_shape)
             if c.start == 0 and c.stop == x.shape[0]:
                 rec.cache["weight"] = psg  # reused by clipped_sums: no second convolution
-            out.append(sq_norms_of(psg))
+            out.append(sample_sq_norms(psg))
         return torch.cat(out)
 
     def _weight_sq_norms(self, rec: Record) -> torch.Tensor:
@@ -402,10 +403,10 @@ class ConvRule(LayerRule):
         looks is no part of the gradient; elsewhere the whole input's norm, a looser bound, saves a pass)."""
         x, spec, _ = self._shapes(rec)
         read = _read_mask(tuple(x.shape[2:]), spec.key(), x.device)
-        x_sq = None if read is not None and x.is_cuda else sq_norms_of(x)  # no host sync on a GPU
+        x_sq = None if read is not None and x.is_cuda else sample_sq_norms(x)  # no host sync on a GPU
         if read is not None and (x_sq is None or not bool(torch.isfinite(x_sq).all())):
-            x_sq = sq_norms_of(x.masked_fill(~read, 0))
-        return (x_sq * sq_norms_of(rec.grad_output)).sqrt_().mul_(math.sqrt(math.prod(spec.kernel)))
+            x_sq = sample_sq_norms(x.masked_fill(~read, 0))
+        return (x_sq * sample_sq_norms(rec.grad_output)).sqrt_().mul_(math.sqrt(math.prod(spec.kernel)))
 
     def _with_rounding_allowance(self, rec: Record, sq_norms: torch.Tensor) -> torch.Tensor:
         """:func:`with_rounding_allowance` for the weight's clipped-sum convolution."""

@@ -15,8 +15,8 @@ from torch import nn
 
 from fastdp import ops
 from fastdp.layers import register
-from fastdp.layers.base import (LayerRule, Record, Tap, UnsupportedModuleError, expand_like, sq_norms_of,
-                                with_rounding_allowance)
+from fastdp.layers.base import LayerRule, Record, Tap, UnsupportedModuleError, expand_like, with_rounding_allowance
+from fastdp.ops import sample_sq_norms
 
 
 class _EmbeddingFn(torch.autograd.Function):
@@ -70,7 +70,7 @@ class EmbeddingRule(LayerRule):
         pad = rec.module.padding_idx
         sq_norms = ops.embedding_sq_norms(ids, g, pad)
         # the clipped sum adds each position's scaled g_t to its token's row (a_t one-hot: |a_t| = 1)
-        row_norms = sq_norms_of(g.reshape(-1, g.shape[-1])).sqrt_().view(ids.shape)
+        row_norms = sample_sq_norms(g.reshape(-1, g.shape[-1])).sqrt_().view(ids.shape)
         if pad is not None:
             row_norms = row_norms.masked_fill_(ids == pad, 0.0)
         return {"weight": with_rounding_allowance(sq_norms, row_norms.sum(1), ids.shape[1], g.dtype)}

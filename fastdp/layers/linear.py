@@ -21,8 +21,8 @@ from torch import nn
 from fastdp import ops
 from fastdp.layers import register
 from fastdp.layers.base import (LayerRule, Record, Tap, UnsupportedModuleError, as_dtype, batch_chunks,
-                                in_layout_of, sq_norms_of, weighted_sum, with_gram_allowance,
-                                with_rounding_allowance)
+                                in_layout_of, weighted_sum, with_gram_allowance, with_rounding_allowance)
+from fastdp.ops import sample_sq_norms
 
 
 class _LinearFn(torch.autograd.Function):
@@ -64,18 +64,16 @@ def ghost_is_cheaper(seq: int, d: int, p: int) -> bool:
     return ghost < direct
 
 
-def sq_norms_3d(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """Per-sample ``|g_i^T a_i|_F^2`` for ``a``: (B, T, d), ``g``: (B, T, p); float64 (B,)."""
+def sq_norms_3d(a: torch.Tensor, g: torch.Tensor, slack: torch.Tensor) -> torch.Tensor:
+    """Per-sample ``|g_i^T a_i|_F^2`` for ``a``: (B, T, d), ``g``: (B, T, p) with T > 1, by the
+    cheaper route; float64 (B,). A ghost norm carries its Gram sum's rounding allowance
+    (:func:`with_gram_allowance`, ``slack``: (B,) as there)."""
     batch, seq, d = a.shape
     p = g.shape[-1]
-    if seq == 1:
-        return sq_norms_of(a) * sq_norms_of(g)
     ghost = ghost_is_cheaper(seq, d, p)
     op = ops.linear_sq_norms_ghost if ghost else ops.linear_sq_norms_direct
-    per_sample = 2 * seq * seq if ghost else d * p
-    if batch == 0:
-        return a.new_zeros(0, dtype=torch.float64)
-    return torch.cat([op(a[c], g[c]) for c in batch_chunks(batch, per_sample)])
+    sq = torch.cat([op(a[c], g[c]) for c in batch_chunks(batch, 2 * seq * seq if ghost else d * p)])
+    return with_gram_allowance(sq, slack, d + p + 2 * seq * seq) if ghost else sq
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -120,15 +118,14 @@ class LinearRule(LayerRule):
         for name in names:
             if name == "weight":
                 a, g = self._per_sample(rec)
-                (batch, seq, d), p = a.shape, g.shape[2]
-                slack = (sq_norms_of(rec.activation) * sq_norms_of(rec.grad_output)).sqrt_().view(batch, seq).sum(1)
-                sq = sq_norms_3d(a, g)
-                if ghost_is_cheaper(seq, d, p):  # the route sq_norms_3d took
-                    sq = with_gram_allowance(sq, slack, d + p + 2 * seq * seq)
-                out[name] = with_rounding_allowance(sq, slack, seq, torch.promote_types(a.dtype, g.dtype),
+                batch, seq = a.shape[:2]
+                slack = (sample_sq_norms(rec.activation) * sample_sq_norms(rec.grad_output)).sqrt_()
+                slack = slack.view(batch, seq).sum(1)
+                out[name] = with_rounding_allowance(sq_norms_3d(a, g, slack), slack, seq,
+                                                    torch.promote_types(a.dtype, g.dtype),
                                                     a.is_cuda and torch.backends.cuda.matmul.allow_tf32)
             else:  # the bias's per-sample gradients are small: sum over T once
-                out[name] = sq_norms_of(self.cached_grads(rec, [name])[name])
+                out[name] = sample_sq_norms(self.cached_grads(rec, [name])[name])
         return out
 
     def per_sample_grads(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:

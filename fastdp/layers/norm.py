@@ -99,7 +99,7 @@ class _AffineNormRule(LayerRule):
         g = rec.grad_output
         out = {}
         for name in names:
-            shape = rec.param(name).shape
+            shape = rec.params[name].shape
             source = g * x_hat.to(g.dtype) if name == "weight" else g
             out[name] = _reduce_to_param(source, channel_dim, shape)
         return out
