@@ -33,7 +33,7 @@ from fastdp import ops
 from fastdp.layers import Record, Tap, UnsupportedModuleError, rule_for
 from fastdp.layers.base import weighted_sum
 from fastdp.ops import compute_dtype, sample_sq_norms
-from fastdp.validate import validate
+from fastdp.validate import stale_forward, validate
 
 LOSS_REDUCTIONS = ("mean", "sum")
 NONFINITE_POLICIES = ("raise", "skip")
@@ -96,18 +96,8 @@ class GradSampleEngine:
             rule = rule_for(module)
             if rule is None or not rule.trainable(module):
                 continue
-            if _stale_forward(module):
+            if stale_forward(module):  # validate refused any other forward set on the instance
                 del module.forward
-            if "forward" in module.__dict__:
-                owner = getattr(module.forward, "fastdp_engine", None)
-                self.detach()
-                raise UnsupportedModuleError(
-                    f"module '{name or '<root>'}' ({type(module).__name__}) "
-                    + ("is already hooked by another fastdp optimizer; call .detach() on it first"
-                       if owner is not None else
-                       "has its forward replaced on the instance, which fastdp cannot hook; "
-                       "subclass the layer and register a rule instead")
-                )
             module.forward = self._hooked_forward(module, rule)
             self._patched.append(module)
 
@@ -575,13 +565,3 @@ def _rows(ranges: tuple) -> range:
     first, step, count = ranges
     return range(first, first + step * count, step)
 
-
-def _stale_forward(module: nn.Module) -> bool:
-    """The instance ``forward`` is a leftover of hooking another module (a ``copy.deepcopy`` of a
-    hooked module) or the class's own forward (an unpickled hooked module): inert, replaceable."""
-    forward = module.__dict__.get("forward")
-    if forward is None:
-        return False
-    if getattr(forward, "fastdp_module", module) is not module:
-        return True
-    return getattr(forward, "__self__", None) is module and getattr(forward, "__func__", None) is type(module).forward

@@ -37,6 +37,7 @@ from fastdp.clipping import make_clipping
 from fastdp.data import check_sample_rate
 from fastdp.engine import GradSampleEngine
 from fastdp.layers import UnsupportedModuleError
+from fastdp.validate import grad_hook_problem
 
 
 _MASK64 = 2**64 - 1
@@ -120,10 +121,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
         self.noise_multiplier = noise_multiplier
         self.expected_batch_size = expected_batch_size
-        self.loss_reduction = loss_reduction
         params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-        for p in params:
-            _check_no_grad_hooks(p, lambda: next((n for n, q in module.named_parameters() if q is p), "?"))
         self._clipping_mode, self._gamma = clipping, gamma
         self.clipping = make_clipping(clipping, max_grad_norm, params, gamma)
         _check_noise_std(self.noise_multiplier, self.clipping)
@@ -251,8 +249,14 @@ class DPOptimizer(torch.optim.Optimizer):
     def skipped_samples(self) -> int:
         return self.engine.skipped_samples
 
+    @property
+    def loss_reduction(self) -> str:
+        """How the loss reduces over the batch ("mean" or "sum"), fixed at construction."""
+        return self.engine.loss_reduction
+
     def attach_step_hook(self, hook: Callable[["DPOptimizer"], None]) -> None:
-        """Call ``hook(self)`` after every step."""
+        """Call ``hook(self)`` after every noisy step (not after the skipped steps of a
+        ``BatchMemoryManager``'s chunks)."""
         self._step_hooks.append(hook)
 
     def attach_accountant(self, accountant, sample_rate: float) -> None:
@@ -394,7 +398,9 @@ class DPOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 if not p.requires_grad:
                     continue
-                _check_no_grad_hooks(p, lambda: self.engine.names.get(p, "?"))
+                hooked = grad_hook_problem(p, self.engine.names.get(p, "?"))
+                if hooked is not None:
+                    raise UnsupportedModuleError(hooked)
                 if id(p) not in private:
                     raise UnsupportedModuleError(
                         f"parameter '{self.engine.names.get(p, '?')}' trains in the optimizer but did not when "
@@ -636,17 +642,6 @@ _FLOAT32_TINY, _FLOAT32_MAX = ops.FLOAT32_NORMAL_RANGE
 
 def _noise_std(sigma: float, clipping) -> float:
     return 0.0 if sigma == 0 else sigma * clipping.sensitivity
-
-
-def _check_no_grad_hooks(param: torch.Tensor, name: Callable[[], str]) -> None:
-    """Refuse a private parameter with autograd gradient hooks: fastdp forms its gradient outside
-    autograd, so a hook would see None (raising, or silently doing nothing)."""
-    if param._backward_hooks or getattr(param, "_post_accumulate_grad_hooks", None):
-        raise UnsupportedModuleError(
-            f"parameter '{name()}' has a gradient hook (register_hook or register_post_accumulate_grad_hook): "
-            "fastdp forms private parameters' gradients outside autograd, so the hook would get None; remove "
-            "it, and transform the noised gradient instead in a step pre-hook of the wrapped optimizer "
-            "(optimizer.original_optimizer.register_step_pre_hook), or freeze what it masked")
 
 
 def _check_noise_std(sigma: float, clipping) -> None:

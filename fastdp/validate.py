@@ -1,7 +1,9 @@
 """Which modules fastdp can clip exactly, and ``fix`` for the common ones it cannot.
 
-Validation is done once, when the engine is attached: anything that would make a
-per-sample norm wrong is refused with the module path, the parameter and the fix.
+The engine validates its module when it is built: anything that would make a per-sample
+norm wrong is refused with the module path, the parameter and the fix. What can change
+later (a layer's parameters used outside its forward, parameters unfrozen or hooked after
+the optimizer was built) is checked again at each backward pass or step.
 """
 from __future__ import annotations
 
@@ -29,6 +31,11 @@ def find_problems(module: nn.Module, params: Optional[Iterable[torch.Tensor]] = 
     # self.fc.weight) is no use of it; a use outside the layer's forward is caught at the first backward
     rules = {m: rule_for(m) for m in module.modules()}
     owned = {id(p) for m, rule in rules.items() if rule is not None for p in rule.trainable(m).values()}
+    trained = None if params is None else {id(p) for p in params}
+    for name, p in module.named_parameters():
+        hooked = grad_hook_problem(p, name) if p.requires_grad and (trained is None or id(p) in trained) else None
+        if hooked is not None:
+            problems.append(hooked)
     for path, child in module.named_modules():
         where = f"module '{path or '<root>'}' ({type(child).__name__})"
         if isinstance(child, parametrize.ParametrizationList):
@@ -82,6 +89,9 @@ def find_problems(module: nn.Module, params: Optional[Iterable[torch.Tensor]] = 
                 f"{where} has trainable parameter(s) {names} that its rule does not clip (it clips "
                 f"{', '.join(rule.param_names)}): {_foreign_fix(child, foreign)}"
             )
+        forward = _forward_problem(child)
+        if forward is not None and rule.trainable(child):
+            problems.append(f"{where} {forward}")
         try:  # frozen modules too: state the data changes (running statistics) leaks without noise
             rule.check(child)
         except UnsupportedModuleError as exc:
@@ -95,6 +105,38 @@ def find_problems(module: nn.Module, params: Optional[Iterable[torch.Tensor]] = 
                 "parameters of the module given to fastdp; pass the module that owns them"
             )
     return problems
+
+
+def grad_hook_problem(param: torch.Tensor, name: str) -> Optional[str]:
+    """Why trainable ``param`` (named ``name``) cannot be private, if it has autograd gradient
+    hooks: fastdp forms its gradient outside autograd, so a hook would see None (raising, or
+    silently doing nothing); else None."""
+    if not (param._backward_hooks or getattr(param, "_post_accumulate_grad_hooks", None)):
+        return None
+    return (f"parameter '{name}' has a gradient hook (register_hook or register_post_accumulate_grad_hook): "
+            "fastdp forms private parameters' gradients outside autograd, so the hook would get None; remove "
+            "it, and transform the noised gradient instead in a step pre-hook of the wrapped optimizer "
+            "(optimizer.original_optimizer.register_step_pre_hook), or freeze what it masked")
+
+
+def stale_forward(module: nn.Module) -> bool:
+    """The instance ``forward`` is a leftover of hooking another module (a ``copy.deepcopy`` of a
+    hooked module) or the class's own forward (an unpickled hooked module): inert, replaceable."""
+    forward = module.__dict__.get("forward")
+    if forward is None:
+        return False
+    if getattr(forward, "fastdp_module", module) is not module:
+        return True
+    return getattr(forward, "__self__", None) is module and getattr(forward, "__func__", None) is type(module).forward
+
+
+def _forward_problem(module: nn.Module) -> Optional[str]:
+    """Why a supported layer's ``forward`` set on the instance stops fastdp hooking it, if it has one."""
+    if "forward" not in module.__dict__ or stale_forward(module):
+        return None
+    if getattr(module.forward, "fastdp_engine", None) is not None:
+        return "is already hooked by a fastdp optimizer; call .detach() on it first"
+    return "has its forward replaced on the instance, which fastdp cannot hook; subclass the layer and register a rule"
 
 
 def _subclass_hint(module: nn.Module) -> str:

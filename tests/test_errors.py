@@ -862,3 +862,30 @@ def test_complex_parameters_are_refused():
     with pytest.raises(fastdp.UnsupportedModuleError, match=r"'0.weight', '0.bias' of a dtype other than a real"):
         make(model)
     assert "forward" not in model[0].__dict__
+
+
+def test_find_problems_lists_what_the_optimizer_refuses():
+    """find_problems missed a gradient hook and a forward set on a layer instance, both refused when
+    the optimizer was built (maintainability review): it lists them now, and a frozen parameter's
+    hook is no problem."""
+    model = nn.Sequential(nn.Linear(3, 2), nn.Linear(2, 2), nn.Linear(2, 1))
+    model[0].weight.register_hook(lambda g: g)
+    model[1].forward = lambda x: x
+    model[2].weight.register_hook(lambda g: g)
+    model[2].weight.requires_grad_(False)
+    problems = fastdp.find_problems(model)
+    assert len(problems) == 2, problems
+    assert "parameter '0.weight' has a gradient hook" in problems[0]
+    assert "module '1' (Linear) has its forward replaced on the instance" in problems[1]
+    with pytest.raises(fastdp.UnsupportedModuleError, match="(?s)'0.weight' has a gradient hook.*'1'.*forward"):
+        make(model)
+    assert "forward" not in model[0].__dict__ and "forward" not in model[2].__dict__
+
+
+def test_loss_reduction_is_read_from_the_engine():
+    """The optimizer kept its own copy of loss_reduction, which nothing read: setting it changed
+    nothing (maintainability review). It reads the engine's, and cannot be set."""
+    opt = make(nn.Linear(3, 2))
+    assert opt.loss_reduction == opt.engine.loss_reduction == "mean"
+    with pytest.raises(AttributeError):
+        opt.loss_reduction = "sum"
