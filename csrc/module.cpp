@@ -177,7 +177,6 @@ void def_per_dtype(py::module_& m, const char* name, F32 f32, F64 f64, const cha
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "fastdp native CPU kernels";
-  m.def("version", []() { return std::string("0.1.0"); }, "Version of the native extension.");
   // Bumped with every change of a binding's signature or meaning: fastdp._native_ops refuses a
   // build whose number differs (a stale in-place build), and the references run instead.
   m.attr("BINDINGS") = 3;

@@ -31,7 +31,7 @@ from torch import nn
 
 from fastdp import ops
 from fastdp.layers import Record, Tap, UnsupportedModuleError, rule_for
-from fastdp.layers.base import weighted_sum
+from fastdp.layers.base import weighted_sum, zeroed_samples
 from fastdp.ops import compute_dtype, sample_sq_norms
 from fastdp.validate import stale_forward, validate
 
@@ -293,8 +293,7 @@ class GradSampleEngine:
             total_sq = torch.where(bad, 0.0, total_sq)
             for rec in records:
                 rec.zero_samples(bad)
-            shared = {p: torch.nan_to_num(g * (~bad).view(-1, *[1] * (g.dim() - 1)), 0.0, 0.0, 0.0)
-                      for p, g in shared.items()}
+            shared = {p: zeroed_samples(g, bad) for p, g in shared.items()}
 
         coef_of = self._coefficients(params, norms, scale, total_sq, bad)
         summed = dict(self.summed)

@@ -62,12 +62,7 @@ class Record:
         """Zero every per-sample tensor of the samples in boolean ``mask`` (dropped samples);
         a tensor of B * T rows (a rule's row matrix) has T rows per sample."""
         def zeroed(t):
-            if not (isinstance(t, torch.Tensor) and torch.is_floating_point(t)):
-                return t
-            keep = (~mask).to(t.dtype)
-            if t.shape[0] != keep.shape[0]:
-                keep = keep.repeat_interleave(t.shape[0] // max(1, keep.shape[0]))
-            return torch.nan_to_num(t * keep.view(-1, *([1] * (t.dim() - 1))), 0.0, 0.0, 0.0)
+            return zeroed_samples(t, mask) if isinstance(t, torch.Tensor) and torch.is_floating_point(t) else t
 
         self.grad_output = zeroed(self.grad_output)
         if isinstance(self.activation, tuple):
@@ -199,6 +194,15 @@ class LayerRule:
         already zero for dropped samples."""
         grads = self.cached_grads(rec, coefs.keys())
         return {n: weighted_sum(coefs[n], g) for n, g in grads.items()}
+
+
+def zeroed_samples(t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``t`` (a float tensor of B * T rows, T rows per sample) with the rows of the samples in
+    boolean ``mask`` (B,) zeroed, NaN and Inf there included; a new tensor."""
+    keep = (~mask).to(t.dtype)
+    if t.shape[0] != keep.shape[0]:
+        keep = keep.repeat_interleave(t.shape[0] // max(1, keep.shape[0]))
+    return torch.nan_to_num(t * keep.view(-1, *([1] * (t.dim() - 1))), 0.0, 0.0, 0.0)
 
 
 def check_batched(module: nn.Module, x: torch.Tensor, spatial: int) -> None:

@@ -8,11 +8,17 @@ convolution, so autograd carries the input gradient through it and the rule only
 Per-sample weight gradients, per group g: ``G_i = g_i^T a_i`` where ``a_i`` is the unfolded
 input (T = output positions, d = C_in/groups * prod(kernel)) and ``g_i`` the output gradient
 (p = C_out/groups). A grouped weight is block diagonal, so the norm is taken per group and
-summed; never as one dense matrix. Two routes, chosen per call by flops as for Linear:
+summed; never as one dense matrix. Two routes, whose costs are estimated as for Linear
+(``route_costs``):
 
 * direct: all per-sample gradients at once as ONE grouped convolution backward, the batch
   folded into the group dimension; no unfold;
 * ghost: unfold (``prod(kernel)`` times the input) and the linear ghost norm per group.
+
+Where the estimates are within ``AUTOTUNE_WITHIN`` of each other, the first calls of each
+shape time the candidates (both routes, fused or composed, keeping the per-sample gradients
+or not) and remember the fastest (``_time_routes``); ``AUTOTUNE = False`` takes the cheaper
+estimate instead.
 
 Where a backend has a fused kernel for the call (``ops.conv_sq_norms``: C++ on CPU for 1-D
 and 2-D convolutions), either route runs in it instead, one sample's patches at a time,
@@ -278,8 +284,9 @@ class ConvRule(LayerRule):
 
     # -- per-sample math ---------------------------------------------------------------
     @staticmethod
-    def _shapes(rec: Record):
-        """x, spec and the weight (the module's own where it is frozen: its shape is still needed)."""
+    def _operands(rec: Record):
+        """The recorded input x, its ConvSpec and the weight (the module's own where it is frozen:
+        its shape is still needed)."""
         x, spec = rec.activation[:2]
         return x, spec, rec.params.get("weight", rec.module.weight)
 
@@ -324,7 +331,7 @@ class ConvRule(LayerRule):
         return torch.cat(out)
 
     def _weight_sq_norms(self, rec: Record) -> torch.Tensor:
-        x, spec, weight = self._shapes(rec)
+        x, spec, weight = self._operands(rec)
         g = rec.grad_output
         if x.shape[0] == 0:
             return g.new_zeros(0, dtype=torch.float64)
@@ -360,7 +367,7 @@ class ConvRule(LayerRule):
         """The weight norms by route ``name``; "direct" keeps the per-sample gradients where
         they are no larger than x and g, "direct-keep" always, "instantiate" (composed) too.
         With ``fused_input`` a fused route also writes the input gradient to the request."""
-        x, spec, weight = self._shapes(rec)
+        x, spec, weight = self._operands(rec)
         g = rec.grad_output
         if name != "instantiate":
             ghost = name == "ghost"
@@ -401,7 +408,7 @@ class ConvRule(LayerRule):
         is in at most prod(kernel) patches, so by Cauchy-Schwarz ``sqrt(prod(kernel)) |x_i| |g_i|``, x_i
         taken over the elements some patch reads where the whole input is not finite (a NaN where no output
         looks is no part of the gradient; elsewhere the whole input's norm, a looser bound, saves a pass)."""
-        x, spec, _ = self._shapes(rec)
+        x, spec, _ = self._operands(rec)
         read = _read_mask(tuple(x.shape[2:]), spec.key(), x.device)
         x_sq = None if read is not None and x.is_cuda else sample_sq_norms(x)  # no host sync on a GPU
         if read is not None and (x_sq is None or not bool(torch.isfinite(x_sq).all())):
@@ -410,13 +417,13 @@ class ConvRule(LayerRule):
 
     def _with_rounding_allowance(self, rec: Record, sq_norms: torch.Tensor) -> torch.Tensor:
         """:func:`with_rounding_allowance` for the weight's clipped-sum convolution."""
-        _, spec, weight = self._shapes(rec)
+        _, spec, weight = self._operands(rec)
         g = rec.grad_output
         return with_rounding_allowance(sq_norms, self._slack(rec), self._linear_dims(g, spec, weight)[0], g.dtype,
                                        g.is_cuda and torch.backends.cudnn.allow_tf32)
 
     def per_sample_grads(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
-        x, spec, weight = self._shapes(rec)
+        x, spec, weight = self._operands(rec)
         g = rec.grad_output
         out = {}
         for name in names:
@@ -432,7 +439,7 @@ class ConvRule(LayerRule):
             if name in rec.cache or name == "bias":
                 out[name] = weighted_sum(coef, self.cached_grads(rec, [name])[name])
             else:  # one weight-gradient convolution, the smaller of x and g scaled per sample
-                x, spec, weight = self._shapes(rec)
+                x, spec, weight = self._operands(rec)
                 g = rec.grad_output
                 x = x.to(g.dtype)
                 if x.numel() < g.numel():
