@@ -50,6 +50,11 @@ def check_sample_rate(sample_rate: float) -> float:
     return rate
 
 
+def steps_per_epoch(sample_rate: float) -> int:
+    """Poisson batches that make an epoch at ``sample_rate``: ``round(1 / q)``, at least one."""
+    return max(1, round(1 / sample_rate))
+
+
 def _seed_value(seed) -> int:
     """An integer seed as NumPy's SeedSequence takes it: a negative one in two's complement
     (128 bits), as the optimizer takes it in 64."""
@@ -83,7 +88,7 @@ class PoissonBatchSampler(Sampler[List[int]]):
             raise ValueError("secure_mode=True draws batches from OS entropy: do not pass a seed")
         self.num_samples = num_samples
         self.sample_rate = check_sample_rate(sample_rate)
-        self.steps = max(1, round(1 / self.sample_rate)) if steps is None else int(steps)
+        self.steps = steps_per_epoch(self.sample_rate) if steps is None else int(steps)
         if self.steps <= 0:
             raise ValueError(f"steps must be positive, got {self.steps}")
         self.secure_mode = bool(secure_mode)

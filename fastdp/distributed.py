@@ -8,7 +8,7 @@ Conventions:
   examples (it still takes part in every step). All ranks share one seed (rank 0's,
   broadcast) and draw from per-rank streams of it.
 * Clipping: each rank clips its own examples (the engine, unchanged).
-* Reduction: the clipped sums are all-reduced (SUM) in one flat buffer per dtype.
+* Reduction: the clipped sums are all-reduced (SUM) in one flat buffer per dtype and device.
 * Noise: **rank 0 adds all of it**, N(0, sigma^2 C^2), to its local sum before the
   all-reduce; the other ranks add none. The reduced sum therefore carries the noise
   exactly once, every rank receives the identical noisy sum, and with the same seed a
@@ -29,8 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from fastdp.data import (EmptySafeCollate, PoissonBatchSampler, PoissonDataLoader, _loader_kwargs,
-                         dataset_and_rate, uniform_subset)
+from fastdp.data import EmptySafeCollate, PoissonBatchSampler, PoissonDataLoader, _loader_kwargs, dataset_and_rate
 from fastdp.optimizer import DPOptimizer
 from fastdp.secure import os_entropy
 
@@ -43,6 +42,11 @@ def _rank_world(rank: Optional[int], world_size: Optional[int], group=None):
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside a world of {world_size}")
     return int(rank), int(world_size)
+
+
+def _first_rank(group) -> int:
+    """The global rank of ``group``'s rank 0 (the default group's: 0)."""
+    return 0 if group is None else dist.get_global_rank(group, 0)
 
 
 class DistributedPoissonBatchSampler(PoissonBatchSampler):
@@ -63,8 +67,7 @@ class DistributedPoissonBatchSampler(PoissonBatchSampler):
         self.global_samples = int(num_samples)
         if seed is None and not secure_mode and dist.is_initialized():
             box = [os_entropy(128)]
-            src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
-            dist.broadcast_object_list(box, src=src, group=process_group)
+            dist.broadcast_object_list(box, src=_first_rank(process_group), group=process_group)
             seed = box[0]
         shard = len(range(self.rank, self.global_samples, self.world_size))
         self._setup(shard, sample_rate, steps, seed, secure_mode)
@@ -88,9 +91,8 @@ class DistributedPoissonBatchSampler(PoissonBatchSampler):
         return {**super().state_dict(include_secrets), "world_size": self.world_size}
 
     def batch(self, n: int) -> List[int]:
-        rng = self.rng(n)
-        size = int(rng.binomial(self.num_samples, self.sample_rate))
-        return [self.rank + self.world_size * j for j in uniform_subset(rng, self.num_samples, size)]
+        """Global indices of this rank's share of batch ``n`` (a Poisson draw from its shard)."""
+        return [self.rank + self.world_size * j for j in super().batch(n)]
 
 
 def distributed_poisson_loader(data_loader: DataLoader, sample_rate: Optional[float] = None,
@@ -122,7 +124,7 @@ class DistributedDPOptimizer(DPOptimizer):
         self.process_group = process_group
         self.rank, self.world_size = _rank_world(None, None, process_group)
         super().__init__(optimizer, **kwargs)
-        src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+        src = _first_rank(process_group)
         with torch.no_grad():
             for t in list(self.engine.module.parameters()) + list(self.engine.module.buffers()):
                 dist.broadcast(t.data, src=src, group=process_group)

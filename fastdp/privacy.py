@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from fastdp.arguments import finite_number
-from fastdp.data import partial_sampler, poisson_loader
+from fastdp.data import partial_sampler, poisson_loader, steps_per_epoch
 from fastdp.optimizer import DPOptimizer
 
 
@@ -90,9 +90,9 @@ def make_private(
                          "loader over the examples to train on (torch.utils.data.Subset for a split)")
     sample_rate = batch_size / dataset_size
     # Poisson: round(1/q) batches make an epoch; the loader's own fixed-size batches otherwise
-    steps_per_epoch = max(1, round(1 / sample_rate)) if poisson_sampling else len(data_loader)
+    epoch_steps = steps_per_epoch(sample_rate) if poisson_sampling else len(data_loader)
     if poisson_sampling:  # before calibrating: it refuses a loader whose own sampler it would ignore
-        data_loader = poisson_loader(data_loader, sample_rate, steps_per_epoch, seed, secure_mode)
+        data_loader = poisson_loader(data_loader, sample_rate, epoch_steps, seed, secure_mode)
     if (noise_multiplier is None) == (target_epsilon is None):
         raise ValueError("give exactly one of noise_multiplier or target_epsilon (with target_delta, epochs)")
     if target_epsilon is None and (target_delta is not None or epochs is not None):
@@ -103,7 +103,7 @@ def make_private(
         if target_delta is None or epochs is None:
             raise ValueError("target_epsilon needs target_delta and epochs to calibrate the noise")
         epochs = finite_number(epochs, "epochs (how long you will train, which calibrating the noise needs)")
-        steps = int(math.ceil(epochs * steps_per_epoch))
+        steps = int(math.ceil(epochs * epoch_steps))
         noise_multiplier = accounting.calibrate_noise(
             target_epsilon=target_epsilon, delta=target_delta, sample_rate=sample_rate,
             steps=steps, accountant=accountant,
