@@ -119,18 +119,19 @@ class GradSampleEngine:
 
         known = self._module_param_ids
         names = rule.param_names
-        attributes = module.__dict__
+        attributes, children = module.__dict__, module._modules
 
         def forward(owner, *args, **kwargs):
             # plain for a copy of the module, without grad, or once detached (a wrapper that kept this forward)
             params = rule.trainable(module) if owner is module and torch.is_grad_enabled() and self._patched else None
             # plain also where the layer holds tensors other than the model's parameters (torch.func.functional_call),
             # or one of its parameters' names is a tensor set by hand that requires grad (a weight computed from
-            # another parameter before each call): autograd then gives what it comes from its gradient, and one
-            # reaching a private parameter is refused as written outside its layer. A constant one (a frozen pruned
-            # weight) is the layer's input like any other
+            # another parameter before each call), or a trained parametrization registered since: autograd then
+            # gives what it comes from its gradient, and one reaching a private parameter is refused as written
+            # outside its layer. A constant one (a frozen pruned weight) is the layer's input like any other
             if (not params or any(id(p) not in known for p in params.values())
-                    or any(getattr(attributes.get(n), "requires_grad", False) for n in names)):
+                    or any(getattr(attributes.get(n), "requires_grad", False) for n in names)
+                    or ("parametrizations" in children and _trained_parametrization(module))):
                 return plain(owner, *args, **kwargs)
             if kwargs:  # by the layer's own argument names (nn.Linear(...)(input=x)): passed on by position
                 args, kwargs = signature.bind(*args, **kwargs).args, {}
@@ -277,6 +278,7 @@ class GradSampleEngine:
         batch = self._batch_size(records)
         if batch == 0:  # an empty (Poisson) batch: nothing to clip, the step adds noise only
             self.generation += 1  # still a pass: a step failed before it is not retried on it
+            self.step_passes += 1
             return
         scale = float(batch) if self.loss_reduction == "mean" else 1.0
         found = None if self.ledger is None else self._trace_batches(inputs, bases, batch)
@@ -305,6 +307,7 @@ class GradSampleEngine:
             self._accumulate(summed, p, weighted_sum(coef_of(p), grads))
         self.summed = summed  # committed: what follows cannot fail
         self.generation += 1
+        self.step_passes += 1
         self._step_inputs.update(inputs)
         self._step_taps.update(taps)
         for key, (ref, ranges) in samples.items():
@@ -508,7 +511,8 @@ class GradSampleEngine:
             name = self.names.get(p, "?")
             raise UnsupportedModuleError(
                 f"parameter '{name}' received a gradient from outside its layer's forward (e.g. "
-                f"F.linear(x, module.weight), module.weight used directly, a layer's weight set by hand from it, "
+                f"F.linear(x, module.weight), module.weight used directly, a layer's weight set by hand from it or "
+                "computed from it by a parametrization registered after the optimizer was built, "
                 "or torch.func.functional_call with tensors computed from it), which fastdp cannot clip per "
                 "sample; call the module itself instead of reading its parameters"
             )
@@ -556,7 +560,14 @@ _STEP_STATE = {
     # same samples in two passes by views (overlapping micro-batches)
     "_step_samples": dict,
     "step_batches": set,  # which data batches of the attached loader the passes came from
+    "step_passes": int,  # the passes completed (an empty batch's included)
 }
+
+
+def _trained_parametrization(module: nn.Module) -> bool:
+    """Whether a parametrization of ``module`` has trainable parameters (its tensor is computed
+    from them at each access: a gradient for them comes only through autograd)."""
+    return any(p.requires_grad for p in module.parametrizations.parameters())
 
 
 def _rows(ranges: tuple) -> range:

@@ -309,6 +309,11 @@ class DPOptimizer(torch.optim.Optimizer):
             raise ValueError("a distributed_poisson_loader hands out one rank's shard: a plain DPOptimizer would "
                              "neither all-reduce the ranks' clipped sums nor add the noise once; use "
                              "fastdp.DistributedDPOptimizer")
+        if self.engine.step_passes or self._logical_batch_open:
+            raise RuntimeError(
+                "attach_loader between backward() and step(): the coming step releases a batch of the loader "
+                "attached before, drawn at its rate, which the accountant would record at the new loader's; "
+                "attach the new loader after step() (or call zero_grad() first to drop the pending batch)")
         rate = loader.batch_sampler.sample_rate
         if self.accountant is not None and not math.isclose(rate, self.sample_rate, rel_tol=1e-12):
             warnings.warn(

@@ -296,3 +296,26 @@ def test_the_accountant_records_the_rate_the_attached_loader_draws_at():
         opt.step()
         break
     assert opt.accountant.history == [(1.0, 0.25, 1)]
+
+
+@pytest.mark.parametrize("empty", [False, True])
+def test_a_loader_attached_between_backward_and_step_is_refused(empty):
+    """attach_loader between backward() and step() had the pending batch, drawn at the old loader's
+    rate, recorded at the new one's (0.0625 for 0.5: adversarial review). Refused, an empty batch's
+    pass too; after zero_grad() or the step it is taken."""
+    ds = TensorDataset(torch.randn(64, 5), torch.randint(0, 3, (64,)))
+    m = nn.Linear(5, 3)
+    m, opt, loader = fastdp.make_private(module=m, optimizer=torch.optim.SGD(m.parameters(), lr=0.1),
+                                         data_loader=DataLoader(ds, batch_size=32), noise_multiplier=1.0,
+                                         max_grad_norm=1.0, seed=0)
+    x, y = next(iter(loader))
+    if empty:
+        x, y = x[:0], y[:0]
+    nn.functional.cross_entropy(m(x), y, reduction="sum").backward()
+    small = fastdp.poisson_loader(DataLoader(ds, batch_size=4), seed=1)
+    with pytest.raises(RuntimeError, match="attach_loader between backward"):
+        opt.attach_loader(small)
+    opt.step()
+    assert opt.accountant.history == [(1.0, 0.5, 1)]
+    with pytest.warns(UserWarning, match="records 0.0625 from the next step on"):
+        opt.attach_loader(small)

@@ -889,3 +889,32 @@ def test_loss_reduction_is_read_from_the_engine():
     assert opt.loss_reduction == opt.engine.loss_reduction == "mean"
     with pytest.raises(AttributeError):
         opt.loss_reduction = "sum"
+
+
+@pytest.mark.parametrize("layer", [lambda: nn.Linear(5, 3), lambda: nn.LayerNorm(5)])
+def test_a_parametrization_registered_after_the_optimizer_is_refused(layer):
+    """A trained parametrization registered on a hooked layer after the optimizer was built: its hooked
+    forward got the computed weight and gave it no gradient, so the weight trained on noise alone, silently
+    (adversarial review). Refused at the backward pass and the step, before it counts; a frozen one is
+    a constant input."""
+    import torch.nn.utils.parametrize as parametrize
+
+    class Double(nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    model = nn.Sequential(nn.Linear(5, 5), layer())
+    opt = make(model)
+    parametrize.register_parametrization(model[1], "weight", Double())
+    with pytest.raises(fastdp.UnsupportedModuleError, match="computed from it by a parametrization"):
+        model(torch.randn(4, 5)).square().sum().backward()
+    with pytest.raises(fastdp.UnsupportedModuleError, match="computed from it by a parametrization"):
+        opt.step()
+    assert opt.steps == 0
+    frozen = nn.Sequential(nn.Linear(5, 5), layer())
+    frozen[1].weight.requires_grad_(False)
+    opt = make(frozen)
+    parametrize.register_parametrization(frozen[1], "weight", Double())
+    frozen(torch.randn(4, 5)).square().sum().backward()
+    opt.step()
+    assert opt.steps == 1 and frozen[1].bias.grad is not None
