@@ -15,8 +15,10 @@
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import operator
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Mapping
@@ -48,6 +50,10 @@ def check_sample_rate(sample_rate: float) -> float:
     if not 0 < rate <= 1:  # also rejects NaN
         raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
     return rate
+
+
+# digest of (seed, stream, dataset size) -> [batches drawn under it in this process (the highest index + 1)]
+_BATCHES_DRAWN: Dict[bytes, List[int]] = {}
 
 
 def steps_per_epoch(sample_rate: float) -> int:
@@ -94,6 +100,7 @@ class PoissonBatchSampler(Sampler[List[int]]):
         self.secure_mode = bool(secure_mode)
         self.seed = None if secure_mode else (os_entropy(128) if seed is None else _seed_value(seed))
         self.position = 0
+        self._warned_replay = False
         self.sizes: Deque[int] = deque(maxlen=4096)  # sizes of the batches drawn, for the loader to pop
         self.generation = 0  # bumped by each new loop over a loader of this sampler, and by a resume
 
@@ -123,12 +130,31 @@ class PoissonBatchSampler(Sampler[List[int]]):
 
     def __iter__(self) -> Iterator[List[int]]:
         end = (self.position // self.steps + 1) * self.steps
+        drawn = None if self.secure_mode else _BATCHES_DRAWN.setdefault(self._stream_digest(), [0])
         while self.position < end:
             n = self.position
             self.position += 1
+            if drawn is not None:
+                if n < drawn[0]:
+                    self._warn_replay(n)
+                drawn[0] = max(drawn[0], n + 1)
             indices = self.batch(n)
             self.sizes.append(len(indices))
             yield indices
+
+    def _stream_digest(self) -> bytes:
+        """A digest of what fixes this sampler's batches: seed, stream and dataset size."""
+        return hashlib.sha256(repr((self.seed, self.stream, self.num_samples)).encode()).digest()
+
+    def _warn_replay(self, n: int) -> None:
+        if not self._warned_replay:
+            self._warned_replay = True
+            warnings.warn(
+                f"batch {n} of this seed was drawn before in this process (a loader built again with the seed of an "
+                "earlier one, or a resume from an older checkpoint): the same samples come together again, while "
+                "the accountant counts every batch as a fresh Poisson draw; give each loader its own seed "
+                "(seed=None draws one from OS entropy), or go on iterating the earlier loader", UserWarning,
+                stacklevel=3)
 
     def _settings(self, state: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
         """What a checkpoint (``state``, when checking one) must agree on to continue this sampler's batches."""

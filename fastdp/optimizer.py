@@ -152,6 +152,8 @@ class DPOptimizer(torch.optim.Optimizer):
         # process only (not on the module, which is pickled and copied), under a digest of the secret key
         self._draws_by_key = _NOISE_DRAWS.setdefault(module, {})
         self._noise_draws = self._draws_by_key.get(self._key_digest(), 0)  # seeds handed out: the next is f(key, draws)
+        self._module_steps = _MODULE_STEPS.setdefault(module, [0])  # noisy steps on the module, by any optimizer
+        self._earlier_steps = self._module_steps[0]
         self._hook_module_zero_grad(module)
 
     def _hook_module_zero_grad(self, module: nn.Module) -> None:
@@ -279,6 +281,13 @@ class DPOptimizer(torch.optim.Optimizer):
                 f"sample_rate={rate}, but the attached loader draws each example with probability {drawn}: the "
                 "accountant must record the rate the batches are drawn at (to change it, attach the new loader "
                 "first: attach_loader)")
+        if self._earlier_steps and not (isinstance(recorded, int) and recorded >= self._earlier_steps + self.steps):
+            warnings.warn(
+                f"the module took {self._earlier_steps} noisy steps under earlier DPOptimizers in this process, which "
+                f"this {type(accountant).__name__} has not recorded: its epsilon covers this optimizer's steps only. "
+                "If they trained on the same data, attach the earlier optimizer's accountant instead "
+                "(optimizer.attach_accountant(earlier.accountant, sample_rate)), which goes on counting",
+                UserWarning, stacklevel=2)
         self.sample_rate = rate
         self.accountant = accountant
 
@@ -468,6 +477,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self.original_optimizer.step()
         self._unfinished = None
         self.steps += 1
+        self._module_steps[0] += 1
         for hook in self._step_hooks:
             hook(self)
         return loss
@@ -659,5 +669,7 @@ def _check_noise_std(sigma: float, clipping) -> None:
 
 # module -> {digest of a noise key: seeds drawn under it}, for as long as the module lives
 _NOISE_DRAWS: "weakref.WeakKeyDictionary[nn.Module, Dict[bytes, int]]" = weakref.WeakKeyDictionary()
+# module -> [noisy steps taken on it by any DPOptimizer], for as long as the module lives
+_MODULE_STEPS: "weakref.WeakKeyDictionary[nn.Module, List[int]]" = weakref.WeakKeyDictionary()
 
 _STEP_WITH_HOOKS = torch.optim.Optimizer.profile_hook_step(DPOptimizer._dp_step)
