@@ -52,8 +52,8 @@ def check_sample_rate(sample_rate: float) -> float:
     return rate
 
 
-# digest of (seed, stream, dataset size) -> [batches drawn under it in this process (the highest index + 1)]
-_BATCHES_DRAWN: Dict[bytes, List[int]] = {}
+# digest of (seed, stream, dataset size) -> [batches of it that steps released in this process (the highest index + 1)]
+_BATCHES_RELEASED: Dict[bytes, List[int]] = {}
 
 
 def steps_per_epoch(sample_rate: float) -> int:
@@ -93,14 +93,13 @@ class PoissonBatchSampler(Sampler[List[int]]):
         if secure_mode and seed is not None:
             raise ValueError("secure_mode=True draws batches from OS entropy: do not pass a seed")
         self.num_samples = num_samples
-        self.sample_rate = check_sample_rate(sample_rate)
-        self.steps = steps_per_epoch(self.sample_rate) if steps is None else int(steps)
+        self._sample_rate = check_sample_rate(sample_rate)
+        self.steps = steps_per_epoch(self._sample_rate) if steps is None else int(steps)
         if self.steps <= 0:
             raise ValueError(f"steps must be positive, got {self.steps}")
         self.secure_mode = bool(secure_mode)
         self.seed = None if secure_mode else (os_entropy(128) if seed is None else _seed_value(seed))
         self.position = 0
-        self._warned_replay = False
         self.sizes: Deque[int] = deque(maxlen=4096)  # sizes of the batches drawn, for the loader to pop
         self.generation = 0  # bumped by each new loop over a loader of this sampler, and by a resume
 
@@ -108,6 +107,12 @@ class PoissonBatchSampler(Sampler[List[int]]):
     def stream(self) -> tuple:
         """Key separating this sampler's random stream from others with the same seed."""
         return ()
+
+    @property
+    def sample_rate(self) -> float:
+        """q, fixed: the accountant records the rate the loader was attached at (a new rate is a new
+        loader, attached with ``optimizer.attach_loader``)."""
+        return self._sample_rate
 
     @property
     def expected_batch_size(self) -> float:
@@ -130,31 +135,24 @@ class PoissonBatchSampler(Sampler[List[int]]):
 
     def __iter__(self) -> Iterator[List[int]]:
         end = (self.position // self.steps + 1) * self.steps
-        drawn = None if self.secure_mode else _BATCHES_DRAWN.setdefault(self._stream_digest(), [0])
+        generation = self.generation
         while self.position < end:
+            if self.generation != generation:
+                return  # a newer loop over the loader (or a resume) began: this one draws no more
             n = self.position
             self.position += 1
-            if drawn is not None:
-                if n < drawn[0]:
-                    self._warn_replay(n)
-                drawn[0] = max(drawn[0], n + 1)
             indices = self.batch(n)
             self.sizes.append(len(indices))
             yield indices
 
-    def _stream_digest(self) -> bytes:
-        """A digest of what fixes this sampler's batches: seed, stream and dataset size."""
-        return hashlib.sha256(repr((self.seed, self.stream, self.num_samples)).encode()).digest()
-
-    def _warn_replay(self, n: int) -> None:
-        if not self._warned_replay:
-            self._warned_replay = True
-            warnings.warn(
-                f"batch {n} of this seed was drawn before in this process (a loader built again with the seed of an "
-                "earlier one, or a resume from an older checkpoint): the same samples come together again, while "
-                "the accountant counts every batch as a fresh Poisson draw; give each loader its own seed "
-                "(seed=None draws one from OS entropy), or go on iterating the earlier loader", UserWarning,
-                stacklevel=3)
+    def released_count(self) -> Optional[List[int]]:
+        """How many batches of this sampler's seed, stream and dataset size steps have released
+        in this process (batches 0 to count - 1), as a one-element list every such sampler's
+        loader shares; None in secure mode (no seed)."""
+        if self.secure_mode:
+            return None
+        key = hashlib.sha256(repr((self.seed, self.stream, self.num_samples)).encode()).digest()
+        return _BATCHES_RELEASED.setdefault(key, [0])
 
     def _settings(self, state: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
         """What a checkpoint (``state``, when checking one) must agree on to continue this sampler's batches."""
@@ -239,7 +237,11 @@ class BatchLedger:
     tensors of each batch handed out are remembered (weakly) with its number, so a backward
     pass whose layers see one of them is attributed to that batch, however old."""
 
-    def __init__(self, taken: int = 0):
+    def __init__(self, taken: int = 0, released: Optional[List[int]] = None):
+        # batches of the sampler's seed (and stream) released by steps in this process, shared with every
+        # loader of that seed (PoissonBatchSampler.released_count): batch number n is its index n - 1
+        self.released = released
+        self._warned_replay = False
         self.restart(taken)
 
     def restart(self, taken: int) -> None:
@@ -254,6 +256,14 @@ class BatchLedger:
         """A new batch is handed out (``batch``: what the loop receives, or its first chunk, of
         ``size`` samples: the length of its index list)."""
         self.taken += 1
+        if self.released is not None and self.taken <= self.released[0] and not self._warned_replay:
+            self._warned_replay = True
+            warnings.warn(
+                f"batch {self.taken - 1} of this loader's seed was released by an earlier step in this process (a "
+                "loader built again with an earlier one's seed, or a resume from an older checkpoint): the same "
+                "samples come together again, while the accountant counts every batch as a fresh Poisson draw; give "
+                "each loader its own seed (seed=None draws one from OS entropy), or go on with the earlier loader",
+                UserWarning, stacklevel=4)
         self.handed = {key: entry for key, entry in self.handed.items() if entry[0]() is not None}
         self.batch_samples = 0
         self.hand_out(batch, size)
@@ -309,6 +319,8 @@ class BatchLedger:
         drawn = self.taken - self.stepped_at
         reused = self._reused(step_batches)
         self.stepped_at, self.closed_once = self.taken, True
+        if self.released is not None:
+            self.released[0] = max(self.released[0], self.taken)
         if reused:
             raise RuntimeError(
                 "this step's backward pass used the batch an earlier step already released (its samples would "
@@ -337,7 +349,7 @@ class PoissonDataLoader(DataLoader):
 
     def __init__(self, dataset: Dataset, batch_sampler: PoissonBatchSampler, **kwargs):
         super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
-        self.ledger = BatchLedger(batch_sampler.position)
+        self.ledger = BatchLedger(batch_sampler.position, batch_sampler.released_count())
 
     @property
     def batches_consumed(self) -> int:
@@ -351,6 +363,7 @@ class PoissonDataLoader(DataLoader):
             _check_current(sampler, mine)
             self.ledger.take(batch, sizes.popleft() if sizes else None)
             yield batch
+        _check_current(sampler, mine)  # ended because a newer loop began: say so
 
     def state_dict(self, include_secrets: bool = False) -> Dict[str, Any]:
         return dict(self.batch_sampler.state_dict(include_secrets), position=self.ledger.taken)
@@ -362,6 +375,7 @@ class PoissonDataLoader(DataLoader):
         self.batch_sampler.load_state_dict(state)
         self.batch_sampler.generation += 1  # loops begun before the resume must not go on
         self.ledger.restart(self.batch_sampler.position)
+        self.ledger.released = self.batch_sampler.released_count()  # the seed may be the state's
 
 
 def _new_loop(sampler: PoissonBatchSampler, ledger: BatchLedger) -> int:
@@ -464,7 +478,8 @@ def poisson_loader(data_loader: DataLoader, sample_rate: Optional[float] = None,
 
 class _ChunkSampler(Sampler[List[int]]):
     """Cuts every batch of ``batch_sampler`` into chunks of at most ``size`` indices (an empty
-    batch gives one empty chunk) and queues, per chunk, whether it ends its batch and its size."""
+    batch gives one empty chunk) and queues, per chunk, the loop that drew it (the Poisson
+    sampler's generation), whether it ends its batch, and its size."""
 
     def __init__(self, batch_sampler: Sampler[List[int]], size: int, ends: Deque[tuple]):
         self.batch_sampler, self.size, self.ends = batch_sampler, size, ends
@@ -476,12 +491,13 @@ class _ChunkSampler(Sampler[List[int]]):
         return len(self.batch_sampler) * max(1, math.ceil(expected / self.size))
 
     def __iter__(self) -> Iterator[List[int]]:
+        loop = getattr(self.batch_sampler, "generation", None)  # a Poisson sampler's: whose loop queued it
         for batch in self.batch_sampler:
             batch = list(batch)
             starts = range(0, len(batch), self.size) if batch else [0]
             for start in starts:
                 chunk = batch[start:start + self.size]
-                self.ends.append((start + self.size >= len(batch), len(chunk)))
+                self.ends.append((loop, start + self.size >= len(batch), len(chunk)))
                 yield chunk
 
 
@@ -530,8 +546,7 @@ class BatchMemoryManager:
     def __iter__(self):
         source = self.data_loader
         poisson = isinstance(source, PoissonDataLoader)
-        if poisson:
-            mine = _new_loop(source.batch_sampler, source.ledger)
+        mine = _new_loop(source.batch_sampler, source.ledger) if poisson else None
         self._ends.clear()
         last, finished = True, False
         try:
@@ -539,13 +554,17 @@ class BatchMemoryManager:
                 if poisson:
                     _check_current(source.batch_sampler, mine)
                 first = last
-                last, size = self._ends.popleft()
+                loop, last, size = self._ends.popleft()
+                while loop != mine:  # queued by an older loop's chunk sampler as it was stopped
+                    loop, last, size = self._ends.popleft()
                 if poisson and first:  # the first chunk of a batch: the batch is taken
                     source.ledger.take(chunk, size)
                 elif poisson:
                     source.ledger.hand_out(chunk, size)
                 self.optimizer.signal_skip_step(not last)
                 yield chunk
+            if poisson:
+                _check_current(source.batch_sampler, mine)  # ended because a newer loop began: say so
             finished = True
         finally:
             if not finished:  # left before a batch's step: the clipped sums of its chunks are dropped

@@ -33,7 +33,7 @@ from fastdp import ops
 from fastdp.layers import Record, Tap, UnsupportedModuleError, rule_for
 from fastdp.layers.base import weighted_sum, zeroed_samples
 from fastdp.ops import compute_dtype, sample_sq_norms
-from fastdp.validate import stale_forward, validate
+from fastdp.validate import stale_forward, trained_parametrization, validate
 
 LOSS_REDUCTIONS = ("mean", "sum")
 NONFINITE_POLICIES = ("raise", "skip")
@@ -131,7 +131,7 @@ class GradSampleEngine:
             # outside its layer. A constant one (a frozen pruned weight) is the layer's input like any other
             if (not params or any(id(p) not in known for p in params.values())
                     or any(getattr(attributes.get(n), "requires_grad", False) for n in names)
-                    or ("parametrizations" in children and _trained_parametrization(module))):
+                    or ("parametrizations" in children and trained_parametrization(module))):
                 return plain(owner, *args, **kwargs)
             if kwargs:  # by the layer's own argument names (nn.Linear(...)(input=x)): passed on by position
                 args, kwargs = signature.bind(*args, **kwargs).args, {}
@@ -562,12 +562,6 @@ _STEP_STATE = {
     "step_batches": set,  # which data batches of the attached loader the passes came from
     "step_passes": int,  # the passes completed (an empty batch's included)
 }
-
-
-def _trained_parametrization(module: nn.Module) -> bool:
-    """Whether a parametrization of ``module`` has trainable parameters (its tensor is computed
-    from them at each access: a gradient for them comes only through autograd)."""
-    return any(p.requires_grad for p in module.parametrizations.parameters())
 
 
 def _rows(ranges: tuple) -> range:

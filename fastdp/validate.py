@@ -40,7 +40,7 @@ def find_problems(module: nn.Module, params: Optional[Iterable[torch.Tensor]] = 
         where = f"module '{path or '<root>'}' ({type(child).__name__})"
         if isinstance(child, parametrize.ParametrizationList):
             continue  # reported with the layer it parametrises
-        if parametrize.is_parametrized(child) and any(p.requires_grad for p in child.parametrizations.parameters()):
+        if parametrize.is_parametrized(child) and trained_parametrization(child):
             tensors = ", ".join(f"'{n}'" for n in child.parametrizations)
             problems.append(
                 f"{where} computes {tensors} from other parameters (torch.nn.utils.parametrizations: weight_norm, "
@@ -105,6 +105,13 @@ def find_problems(module: nn.Module, params: Optional[Iterable[torch.Tensor]] = 
                 "parameters of the module given to fastdp; pass the module that owns them"
             )
     return problems
+
+
+def trained_parametrization(module: nn.Module) -> bool:
+    """Whether a tensor a parametrization of ``module`` computes (at each access) requires grad:
+    from the parametrization's own trainable parameters, or from any other tensor it reads (a
+    weight tied to another layer's). Its gradient then comes only through autograd."""
+    return any(getattr(module, name).requires_grad for name in module.parametrizations)
 
 
 def grad_hook_problem(param: torch.Tensor, name: str) -> Optional[str]:

@@ -322,27 +322,108 @@ def test_a_loader_attached_between_backward_and_step_is_refused(empty):
         opt.attach_loader(small)
 
 
-def test_a_loader_that_replays_an_earlier_loaders_batches_warns(monkeypatch):
+def test_a_loader_that_replays_released_batches_warns(monkeypatch):
     """A loader built again with an earlier one's seed (make_private(seed=42) after detach(), or a new
     batch size between epochs) drew the same batches, the accountant counting them as fresh Poisson
     draws (adversarial review: 2 x 435 demo steps accounted as epsilon 2.99 for 3.60 spent). It warns
-    once the first batch drawn before comes; a resume at the position reached does not."""
+    at the first batch an earlier step released; a batch drawn ahead and never stepped on (workers, a
+    checkpoint taken before the step) is no replay (regression review)."""
     import fastdp.data
 
-    monkeypatch.setattr(fastdp.data, "_BATCHES_DRAWN", {})
-    ds = TensorDataset(torch.randn(64, 3))
+    monkeypatch.setattr(fastdp.data, "_BATCHES_RELEASED", {})
+    ds = TensorDataset(torch.randn(64, 3), torch.randint(0, 2, (64,)))
+    model = nn.Linear(3, 2)
+
+    def train(loader, steps):
+        opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), module=model, noise_multiplier=1.0,
+                                 max_grad_norm=1.0, expected_batch_size=8)
+        opt.attach_loader(loader)
+        for _, (x, y) in zip(range(steps), loader):
+            nn.functional.cross_entropy(model(x), y, reduction="sum").backward()
+            opt.step()
+        opt.detach()
+
     first = poisson_loader(DataLoader(ds, batch_size=8), seed=42)
-    batches = [b[0] for b in first]  # one epoch: batches 0..7
     with warnings.catch_warnings():
         warnings.simplefilter("error")
+        train(first, 3)  # batches 0, 1, 2 released
+        next(iter(first))  # batch 3 taken, never stepped on
         resumed = poisson_loader(DataLoader(ds, batch_size=8), seed=42)
-        resumed.load_state_dict(first.state_dict())
-        next(iter(resumed))  # batch 8: not drawn before
-        next(iter(poisson_loader(DataLoader(ds, batch_size=8), seed=43)))  # another seed
+        resumed.load_state_dict(dict(first.state_dict(), position=3))
+        next(iter(resumed))  # batch 3 again: not released
+        train(poisson_loader(DataLoader(ds, batch_size=8), seed=43), 2)  # another seed
     again = poisson_loader(DataLoader(ds, batch_size=16), seed=42)  # another rate: correlated batches
-    with pytest.warns(UserWarning, match="batch 0 of this seed was drawn before in this process"):
+    with pytest.warns(UserWarning, match="batch 0 of this loader's seed was released by an earlier step"):
         next(iter(again))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         next(iter(again))  # once per loader
-    assert len(batches) == 8
+
+
+def _indexed_private_loader(n, batch_size, seed):
+    """make_private over samples whose features are their indices."""
+    ds = TensorDataset(torch.arange(n, dtype=torch.float32).unsqueeze(1).repeat(1, 3), torch.zeros(n, dtype=torch.long))
+    model = nn.Linear(3, 2)
+    return fastdp.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                               data_loader=DataLoader(ds, batch_size=batch_size), noise_multiplier=1.0,
+                               max_grad_norm=1.0, seed=seed)
+
+
+def _step_on(model, opt, x, y):
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+
+
+def test_an_older_loop_over_the_loader_draws_nothing_more():
+    """An older iterator, refused once a newer loop began, still drew a batch first: the sampler's
+    position ran ahead of the batches handed out, so a checkpoint or a new loop drew a batch already
+    trained on again, and the stale batch's size was checked against the next batch's rows (a false
+    refusal) (adversarial review). It draws nothing now."""
+    model, opt, loader = _indexed_private_loader(40, 5, seed=2)
+    sampler = loader.batch_sampler
+    old, new = iter(loader), iter(loader)
+    _step_on(model, opt, *next(old))
+    _step_on(model, opt, *next(new))
+    with pytest.raises(RuntimeError, match="a newer loop over this Poisson loader"):
+        next(old)
+    assert sampler.position == loader.ledger.taken == 2 and not sampler.sizes
+    x, _ = next(new)
+    assert sorted(x[:, 0].long().tolist()) == sorted(sampler.batch(2))
+
+
+def test_an_older_memory_manager_loop_leaves_the_newer_ones_chunks_alone():
+    """An older BatchMemoryManager loop, refused once a newer one began, had queued its chunk's
+    'ends its batch' flag first: the newer loop read it, and one noisy step released a whole batch
+    and part of another (a sample twice, sensitivity 2C) (adversarial review)."""
+    model, opt, loader = _indexed_private_loader(80, 8, seed=2)
+    sampler = loader.batch_sampler
+    released, current = [], []
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=3, optimizer=opt) as chunks:
+        def train(it):
+            x, y = next(it)
+            current.extend(x[:, 0].long().tolist())
+            _step_on(model, opt, x, y)
+            if opt.steps > len(released):
+                released.append(sorted(current))
+                current.clear()
+
+        old = iter(chunks)
+        while opt.steps < 1:
+            train(old)
+        new = iter(chunks)
+        train(new)
+        with pytest.raises(RuntimeError, match="a newer loop over this Poisson loader"):
+            next(old)
+        while opt.steps < 4:
+            train(new)
+    assert released == [sorted(sampler.batch(n)) for n in range(4)]
+
+
+def test_the_samplers_rate_cannot_be_changed_under_the_accountant():
+    """Setting loader.batch_sampler.sample_rate drew batches of 50 while the accountant recorded 0.05:
+    epsilon 1.83 reported for 10.49 spent (adversarial review). The rate is read-only."""
+    loader = poisson_loader(DataLoader(TensorDataset(torch.randn(100, 2)), batch_size=5), seed=0)
+    with pytest.raises(AttributeError):
+        loader.batch_sampler.sample_rate = 0.5
+    assert loader.batch_sampler.sample_rate == 0.05

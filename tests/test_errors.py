@@ -942,3 +942,32 @@ def test_an_optimizer_rebuilt_on_a_trained_module_warns_of_a_fresh_accountant():
         warnings.simplefilter("error")
         second.attach_accountant(first.accountant, 0.5)
         make(nn.Linear(3, 2)).attach_accountant(make_accountant("rdp"), 0.5)  # a module not trained before
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_parametrization_reading_a_trained_tensor_is_refused(when):
+    """A parametrization tying a layer's weight to another layer's trained weight (held outside its
+    own parameters) passed as constant: the tied weight's clipped sum missed that use (regression
+    review). Refused at construction, or at the backward pass when registered after."""
+    import torch.nn.utils.parametrize as parametrize
+
+    class TieTo(nn.Module):
+        def __init__(self, source):
+            super().__init__()
+            self.source = [source]  # not a submodule
+
+        def forward(self, w):
+            return self.source[0].weight.t()
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.Tanh(), nn.Linear(3, 3))
+    model[0].weight.requires_grad_(False)
+    if when == "before":
+        parametrize.register_parametrization(model[0], "weight", TieTo(model[2]))
+        with pytest.raises(fastdp.UnsupportedModuleError, match="computes 'weight' from other parameters"):
+            make(model)
+        return
+    opt = make(model)
+    parametrize.register_parametrization(model[0], "weight", TieTo(model[2]))
+    with pytest.raises(fastdp.UnsupportedModuleError, match="received a gradient from outside its layer"):
+        model(torch.randn(4, 3)).square().sum().backward()
+    assert opt.steps == 0
