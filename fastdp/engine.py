@@ -38,6 +38,8 @@ from fastdp.validate import stale_forward, trained_parametrization, validate
 LOSS_REDUCTIONS = ("mean", "sum")
 NONFINITE_POLICIES = ("raise", "skip")
 _FLOAT32_TINY = ops.FLOAT32_NORMAL_RANGE[0]
+_CONCATENATED_VIEWS = ("Two views of each sample concatenated on dim 0 (torch.cat([v1, v2])) count as two samples: "
+                       "pass them as separate tensors, or stacked on dim 1")
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -234,9 +236,8 @@ class GradSampleEngine:
                 f"layer {self._module_name(module)} saw different samples of one batch tensor in two calls of "
                 "one backward pass (a batch sent through the model in chunks, then one backward): fastdp "
                 "combines a layer's calls sample by sample, so sample i of each chunk would be clipped "
-                "together; call backward() on each chunk's loss (or pass the batch whole). Two views of each "
-                "sample concatenated on dim 0 (torch.cat([v1, v2])) count as two samples: pass them as separate "
-                "tensors, or stacked on dim 1. A loop over time steps of a (B*T, d) tensor viewed as (B, T, d), "
+                "together; call backward() on each chunk's loss (or pass the batch whole). " + _CONCATENATED_VIEWS
+                + ". A loop over time steps of a (B*T, d) tensor viewed as (B, T, d), "
                 "y[:, t], looks the same: if every call does see each sample once, in order, give each step's "
                 "input its own tensor (y[:, t].contiguous())")
         if self.ledger is not None and self.ledger.is_batch_tensor(base):
@@ -383,9 +384,8 @@ class GradSampleEngine:
             return
         what = (f"this backward pass's layers saw {rows} rows (dim 0) but the loader's last batch (or chunk) holds "
                 f"{samples} samples: each sample must be one row of every layer input, or its rows are clipped as "
-                "separate samples. Two views of each sample concatenated on dim 0 (torch.cat([v1, v2])) count as "
-                "two: stack them on dim 1 or pass them as separate tensors; keep (B, T, ...) layouts rather than "
-                "flattening tokens into rows")
+                f"separate samples. {_CONCATENATED_VIEWS}; keep (B, T, ...) layouts rather than flattening tokens "
+                "into rows")
         if traced:
             raise UnsupportedModuleError(what)
         if not self._warned_rows:
