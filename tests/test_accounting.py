@@ -436,6 +436,17 @@ def test_cli_calibrate(capsys):
     assert accounting.epsilon(sigma, 0.01, 500, 1e-5) <= 2.0
 
 
+def test_cli_calibrate_searches_up_to_sigma_max(capsys):
+    """An unreachable target told CLI users to pass a larger sigma_max, which the CLI did not take
+    (accounting review): --sigma-max."""
+    argv = ["calibrate", "--target-epsilon", "0.001", "--sample-rate", "0.1", "--steps", "10000"]
+    assert _cli(argv) == 2
+    assert "--sigma-max" in capsys.readouterr().err
+    assert _cli(argv + ["--sigma-max", "1e6"]) == 0
+    sigma = float(capsys.readouterr().out.splitlines()[0].split(":")[1])
+    assert 1e4 < sigma < 1e6 and accounting.epsilon(sigma, 0.1, 10000, 1e-5) <= 0.001
+
+
 def test_cli_reports_bad_input(capsys):
     argv = ["epsilon", "--noise-multiplier", "1", "--sample-rate", "1.5", "--steps", "10"]
     assert _cli(argv) == 2

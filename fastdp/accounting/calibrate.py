@@ -76,7 +76,7 @@ def calibrate_noise(
             raise UnreachableTargetError(
                 f"target_epsilon={target:g} is unreachable: even noise_multiplier={sigma_max:g} gives "
                 f"epsilon={eps_hi:.6g} at delta={delta:g} (sample_rate={q:g}, steps={steps}); "
-                "raise the target, lower steps or sample_rate, or pass a larger sigma_max"
+                "raise the target, lower steps or sample_rate, or pass a larger sigma_max (--sigma-max)"
             )
         hi = min(2.0 * hi, sigma_max)
         eps_hi = eps_of(hi)

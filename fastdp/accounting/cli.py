@@ -42,7 +42,8 @@ def _run_epsilon(args: argparse.Namespace) -> int:
 def _run_calibrate(args: argparse.Namespace) -> int:
     try:
         sigma = calibrate_noise(
-            args.target_epsilon, args.delta, args.sample_rate, args.steps, accountant=args.accountant
+            args.target_epsilon, args.delta, args.sample_rate, args.steps, accountant=args.accountant,
+            sigma_max=args.sigma_max,
         )
         sigma = _round_up(sigma)  # what is printed must still meet the target
         eps = epsilon(sigma, args.sample_rate, args.steps, args.delta, accountant=args.accountant)
@@ -80,4 +81,6 @@ def register(subparsers) -> None:
     p_cal.add_argument("--target-epsilon", type=float, required=True, help="target epsilon > 0")
     _add_schedule(p_cal)
     p_cal.add_argument("--accountant", choices=available_accountants(), default="pld", help="default: pld")
+    p_cal.add_argument("--sigma-max", type=float, default=1e4,
+                       help="the largest noise multiplier searched (default 1e4)")
     p_cal.set_defaults(func=_run_calibrate)
