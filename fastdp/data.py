@@ -359,11 +359,9 @@ class PoissonDataLoader(DataLoader):
         sampler = self.batch_sampler
         mine = _new_loop(sampler, self.ledger)
         sizes = sampler.sizes
-        for batch in super().__iter__():
-            _check_current(sampler, mine)
+        for batch in _current_only(super().__iter__(), sampler, mine):
             self.ledger.take(batch, sizes.popleft() if sizes else None)
             yield batch
-        _check_current(sampler, mine)  # ended because a newer loop began: say so
 
     def state_dict(self, include_secrets: bool = False) -> Dict[str, Any]:
         return dict(self.batch_sampler.state_dict(include_secrets), position=self.ledger.taken)
@@ -386,6 +384,21 @@ def _new_loop(sampler: PoissonBatchSampler, ledger: BatchLedger) -> int:
     sampler.position = ledger.taken
     sampler.sizes.clear()  # of batches an earlier loop drew ahead and never handed out
     return sampler.generation
+
+
+def _current_only(items: Iterator, sampler: PoissonBatchSampler, generation: int) -> Iterator:
+    """``items`` while loop ``generation`` is the sampler's newest: checked before each is taken
+    (with persistent workers every loop shares one iterator, so a stale loop would take a newer
+    one's batch), after (one drawn ahead by an older loop), and at the end (stopped by a newer loop)."""
+    while True:
+        _check_current(sampler, generation)
+        try:
+            item = next(items)
+        except StopIteration:
+            break
+        _check_current(sampler, generation)
+        yield item
+    _check_current(sampler, generation)
 
 
 def _check_current(sampler: PoissonBatchSampler, generation: int) -> None:
@@ -549,13 +562,12 @@ class BatchMemoryManager:
         mine = _new_loop(source.batch_sampler, source.ledger) if poisson else None
         self._ends.clear()
         last, finished = True, False
+        chunks = _current_only(iter(self._chunks), source.batch_sampler, mine) if poisson else self._chunks
         try:
-            for chunk in self._chunks:
-                if poisson:
-                    _check_current(source.batch_sampler, mine)
+            for chunk in chunks:
                 first = last
                 loop, last, size = self._ends.popleft()
-                while loop != mine:  # queued by an older loop's chunk sampler as it was stopped
+                while poisson and loop != mine:  # queued by an older loop's chunk sampler as it was stopped
                     loop, last, size = self._ends.popleft()
                 if poisson and first:  # the first chunk of a batch: the batch is taken
                     source.ledger.take(chunk, size)
@@ -563,9 +575,9 @@ class BatchMemoryManager:
                     source.ledger.hand_out(chunk, size)
                 self.optimizer.signal_skip_step(not last)
                 yield chunk
-            if poisson:
-                _check_current(source.batch_sampler, mine)  # ended because a newer loop began: say so
             finished = True
         finally:
-            if not finished:  # left before a batch's step: the clipped sums of its chunks are dropped
+            # left before a batch's step: the clipped sums of its chunks are dropped (not where a newer
+            # loop began, whose chunks they are)
+            if not finished and not (poisson and source.batch_sampler.generation != mine):
                 self.optimizer.abandon_logical_batch()

@@ -28,6 +28,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from fastdp import ops
 from fastdp.layers import Record, Tap, UnsupportedModuleError, rule_for
@@ -123,6 +124,12 @@ class GradSampleEngine:
         names = rule.param_names
         attributes, children = module.__dict__, module._modules
 
+        def hooked(owner, args, kwargs, params):
+            if kwargs:  # by the layer's own argument names (nn.Linear(...)(input=x)): passed on by position
+                args, kwargs = signature.bind(*args, **kwargs).args, {}
+            source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            return rule.forward(module, Tap(self._record, module, rule, params, source), *args, **kwargs)
+
         def forward(owner, *args, **kwargs):
             # plain for a copy of the module, without grad, or once detached (a wrapper that kept this forward)
             params = rule.trainable(module) if owner is module and torch.is_grad_enabled() and self._patched else None
@@ -132,13 +139,14 @@ class GradSampleEngine:
             # gives what it comes from its gradient, and one reaching a private parameter is refused as written
             # outside its layer. A constant one (a frozen pruned weight) is the layer's input like any other
             if (not params or any(id(p) not in known for p in params.values())
-                    or any(getattr(attributes.get(n), "requires_grad", False) for n in names)
-                    or ("parametrizations" in children and trained_parametrization(module))):
+                    or any(getattr(attributes.get(n), "requires_grad", False) for n in names)):
                 return plain(owner, *args, **kwargs)
-            if kwargs:  # by the layer's own argument names (nn.Linear(...)(input=x)): passed on by position
-                args, kwargs = signature.bind(*args, **kwargs).args, {}
-            source = args[0] if args and isinstance(args[0], torch.Tensor) else None
-            return rule.forward(module, Tap(self._record, module, rule, params, source), *args, **kwargs)
+            if "parametrizations" in children:
+                with parametrize.cached():  # its tensors computed once, for the check and the call
+                    if trained_parametrization(module):
+                        return plain(owner, *args, **kwargs)
+                    return hooked(owner, args, kwargs, params)
+            return hooked(owner, args, kwargs, params)
 
         forward.fastdp_engine, forward.fastdp_module = self, module
         return types.MethodType(forward, module)

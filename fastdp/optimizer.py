@@ -281,13 +281,6 @@ class DPOptimizer(torch.optim.Optimizer):
                 f"sample_rate={rate}, but the attached loader draws each example with probability {drawn}: the "
                 "accountant must record the rate the batches are drawn at (to change it, attach the new loader "
                 "first: attach_loader)")
-        if self._earlier_steps and not (isinstance(recorded, int) and recorded >= self._earlier_steps + self.steps):
-            warnings.warn(
-                f"the module took {self._earlier_steps} noisy steps under earlier DPOptimizers in this process, which "
-                f"this {type(accountant).__name__} has not recorded: its epsilon covers this optimizer's steps only. "
-                "If they trained on the same data, attach the earlier optimizer's accountant instead "
-                "(optimizer.attach_accountant(earlier.accountant, sample_rate)), which goes on counting",
-                UserWarning, stacklevel=2)
         self.sample_rate = rate
         self.accountant = accountant
 
@@ -296,7 +289,23 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def _account_step(self) -> None:
         if self.accountant is not None:
+            if self._earlier_steps:
+                self._check_earlier_steps_recorded()
             self.accountant.step(noise_multiplier=self.noise_multiplier, sample_rate=self.sample_rate)
+
+    def _check_earlier_steps_recorded(self) -> None:
+        """Warn, once, where the accountant has not recorded the noisy steps earlier optimizers took
+        on the module in this process (checked at the first step: an accountant attached or loaded
+        since the optimizer was built may still bring them)."""
+        recorded = getattr(self.accountant, "steps", None)
+        if not (isinstance(recorded, int) and recorded >= self._earlier_steps + self.steps):
+            warnings.warn(
+                f"the module took {self._earlier_steps} noisy steps under earlier DPOptimizers in this process, which "
+                f"this {type(self.accountant).__name__} has not recorded: its epsilon covers this optimizer's steps "
+                "only. If they trained on the same data, attach the earlier optimizer's accountant "
+                "(optimizer.attach_accountant(earlier.accountant, sample_rate)), which goes on counting",
+                UserWarning, stacklevel=4)
+        self._earlier_steps = 0  # said once
 
     def attach_loader(self, loader) -> None:
         """Check at every step that the loop took exactly one batch of ``loader`` (a

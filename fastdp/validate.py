@@ -40,7 +40,7 @@ def find_problems(module: nn.Module, params: Optional[Iterable[torch.Tensor]] = 
         where = f"module '{path or '<root>'}' ({type(child).__name__})"
         if isinstance(child, parametrize.ParametrizationList):
             continue  # reported with the layer it parametrises
-        if parametrize.is_parametrized(child) and trained_parametrization(child):
+        if parametrize.is_parametrized(child) and _trained_parametrization_unchanged(child):
             tensors = ", ".join(f"'{n}'" for n in child.parametrizations)
             problems.append(
                 f"{where} computes {tensors} from other parameters (torch.nn.utils.parametrizations: weight_norm, "
@@ -110,8 +110,24 @@ def find_problems(module: nn.Module, params: Optional[Iterable[torch.Tensor]] = 
 def trained_parametrization(module: nn.Module) -> bool:
     """Whether a tensor a parametrization of ``module`` computes (at each access) requires grad:
     from the parametrization's own trainable parameters, or from any other tensor it reads (a
-    weight tied to another layer's). Its gradient then comes only through autograd."""
-    return any(getattr(module, name).requires_grad for name in module.parametrizations)
+    weight tied to another layer's). Its gradient then comes only through autograd. May compute
+    the tensors (under ``parametrize.cached()`` the forward reuses them)."""
+    if any(p.requires_grad for p in module.parametrizations.parameters()):
+        return True
+    with torch.enable_grad():
+        return any(getattr(module, name).requires_grad for name in module.parametrizations)
+
+
+def _trained_parametrization_unchanged(module: nn.Module) -> bool:
+    """:func:`trained_parametrization` with the parametrizations in eval mode: computing them in
+    training mode may update their state (spectral_norm's power iteration)."""
+    modes = [(m, m.training) for m in module.parametrizations.modules()]
+    module.parametrizations.eval()
+    try:
+        return trained_parametrization(module)
+    finally:
+        for m, mode in modes:
+            m.training = mode
 
 
 def grad_hook_problem(param: torch.Tensor, name: str) -> Optional[str]:

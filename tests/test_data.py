@@ -360,13 +360,18 @@ def test_a_loader_that_replays_released_batches_warns(monkeypatch):
         next(iter(again))  # once per loader
 
 
-def _indexed_private_loader(n, batch_size, seed):
+def _indexed_private_loader(n, batch_size, seed, **loader_kwargs):
     """make_private over samples whose features are their indices."""
     ds = TensorDataset(torch.arange(n, dtype=torch.float32).unsqueeze(1).repeat(1, 3), torch.zeros(n, dtype=torch.long))
     model = nn.Linear(3, 2)
     return fastdp.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-                               data_loader=DataLoader(ds, batch_size=batch_size), noise_multiplier=1.0,
-                               max_grad_norm=1.0, seed=seed)
+                               data_loader=DataLoader(ds, batch_size=batch_size, **loader_kwargs),
+                               noise_multiplier=1.0, max_grad_norm=1.0, seed=seed)
+
+
+# persistent workers: every loop over the loader shares one iterator
+_LOOP_KINDS = pytest.mark.parametrize("loader_kwargs", [{}, dict(num_workers=1, persistent_workers=True)],
+                                      ids=["in-process", "persistent-worker"])
 
 
 def _step_on(model, opt, x, y):
@@ -375,28 +380,35 @@ def _step_on(model, opt, x, y):
     opt.step()
 
 
-def test_an_older_loop_over_the_loader_draws_nothing_more():
+@_LOOP_KINDS
+def test_an_older_loop_over_the_loader_draws_nothing_more(loader_kwargs):
     """An older iterator, refused once a newer loop began, still drew a batch first: the sampler's
     position ran ahead of the batches handed out, so a checkpoint or a new loop drew a batch already
     trained on again, and the stale batch's size was checked against the next batch's rows (a false
-    refusal) (adversarial review). It draws nothing now."""
-    model, opt, loader = _indexed_private_loader(40, 5, seed=2)
+    refusal) (adversarial review). With persistent workers it took the newer loop's batch (regression
+    review). It takes nothing now."""
+    model, opt, loader = _indexed_private_loader(40, 5, seed=2, **loader_kwargs)
     sampler = loader.batch_sampler
     old, new = iter(loader), iter(loader)
     _step_on(model, opt, *next(old))
     _step_on(model, opt, *next(new))
     with pytest.raises(RuntimeError, match="a newer loop over this Poisson loader"):
         next(old)
-    assert sampler.position == loader.ledger.taken == 2 and not sampler.sizes
-    x, _ = next(new)
-    assert sorted(x[:, 0].long().tolist()) == sorted(sampler.batch(2))
+    assert loader.ledger.taken == 2
+    for n in (2, 3):
+        x, y = next(new)
+        assert sorted(x[:, 0].long().tolist()) == sorted(sampler.batch(n))
+        _step_on(model, opt, x, y)
 
 
-def test_an_older_memory_manager_loop_leaves_the_newer_ones_chunks_alone():
+@_LOOP_KINDS
+def test_an_older_memory_manager_loop_leaves_the_newer_ones_chunks_alone(loader_kwargs):
     """An older BatchMemoryManager loop, refused once a newer one began, had queued its chunk's
     'ends its batch' flag first: the newer loop read it, and one noisy step released a whole batch
-    and part of another (a sample twice, sensitivity 2C) (adversarial review)."""
-    model, opt, loader = _indexed_private_loader(80, 8, seed=2)
+    and part of another (a sample twice, sensitivity 2C) (adversarial review). Its refusal also
+    dropped the newer loop's open logical batch, and with persistent workers it took the newer
+    loop's chunk (regression review)."""
+    model, opt, loader = _indexed_private_loader(80, 8, seed=2, **loader_kwargs)
     sampler = loader.batch_sampler
     released, current = [], []
     with BatchMemoryManager(data_loader=loader, max_physical_batch_size=3, optimizer=opt) as chunks:
@@ -413,8 +425,10 @@ def test_an_older_memory_manager_loop_leaves_the_newer_ones_chunks_alone():
             train(old)
         new = iter(chunks)
         train(new)
+        seen = opt.engine.samples_seen
         with pytest.raises(RuntimeError, match="a newer loop over this Poisson loader"):
             next(old)
+        assert opt.engine.samples_seen == seen > 0  # the newer loop's open logical batch is kept
         while opt.steps < 4:
             train(new)
     assert released == [sorted(sampler.batch(n)) for n in range(4)]
@@ -427,3 +441,17 @@ def test_the_samplers_rate_cannot_be_changed_under_the_accountant():
     with pytest.raises(AttributeError):
         loader.batch_sampler.sample_rate = 0.5
     assert loader.batch_sampler.sample_rate == 0.05
+
+
+def test_memory_manager_over_a_plain_loader_with_a_poisson_sampler():
+    """BatchMemoryManager over a DataLoader built on fastdp.PoissonBatchSampler raised IndexError at
+    the first chunk (regression review)."""
+    data = TensorDataset(torch.randn(40, 5), torch.randint(0, 3, (40,)))
+    model = nn.Linear(5, 3)
+    opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), module=model, noise_multiplier=1.0,
+                             max_grad_norm=1.0, expected_batch_size=8)
+    loader = DataLoader(data, batch_sampler=PoissonBatchSampler(len(data), 0.2, seed=0))
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=3, optimizer=opt) as chunks:
+        for x, y in chunks:
+            _step_on(model, opt, x, y)
+    assert opt.steps == len(loader.batch_sampler) == 5

@@ -923,27 +923,42 @@ def test_a_parametrization_registered_after_the_optimizer_is_refused(layer):
 def test_an_optimizer_rebuilt_on_a_trained_module_warns_of_a_fresh_accountant():
     """make_private after detach() (to train another set of parameters) started a fresh accountant:
     epsilon 5.15 reported after 100 noisy steps on the data that spent 7.05, silently (adversarial
-    review). It warns; the earlier optimizer's accountant, attached instead, goes on counting."""
+    review). The first step warns; not where the earlier optimizer's accountant was attached (or
+    loaded) before it, as make_private's users do after it built a fresh one (regression review)."""
     import warnings
 
     from fastdp.accounting import make_accountant
 
-    model = nn.Linear(3, 2)
-    first = make(model)
-    first.attach_accountant(make_accountant("rdp"), 0.5)
-    for _ in range(3):
+    def step(model, opt):
         model(torch.randn(4, 3)).sum().backward()
-        first.step()
-    first.detach()
-    second = make(model)
+        opt.step()
+
+    def trained_three_steps():
+        model = nn.Linear(3, 2)
+        first = make(model)
+        first.attach_accountant(make_accountant("rdp"), 0.5)
+        for _ in range(3):
+            step(model, first)
+        first.detach()
+        return model, first.accountant
+
+    model, _ = trained_three_steps()
+    rebuilt = make(model)
+    rebuilt.attach_accountant(make_accountant("rdp"), 0.5)
     with pytest.warns(UserWarning, match="took 3 noisy steps under earlier DPOptimizers.*attach the earlier"):
-        second.attach_accountant(make_accountant("rdp"), 0.5)
+        step(model, rebuilt)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        second.attach_accountant(first.accountant, 0.5)
-        make(nn.Linear(3, 2)).attach_accountant(make_accountant("rdp"), 0.5)  # a module not trained before
-
-
+        step(model, rebuilt)  # said once
+        model, earlier = trained_three_steps()
+        rebuilt = make(model)
+        rebuilt.attach_accountant(make_accountant("rdp"), 0.5)
+        rebuilt.attach_accountant(earlier, 0.5)  # carried over: it holds the 3 steps
+        step(model, rebuilt)
+        fresh = nn.Linear(3, 2)  # a module not trained before
+        other = make(fresh)
+        other.attach_accountant(make_accountant("rdp"), 0.5)
+        step(fresh, other)
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_a_parametrization_reading_a_trained_tensor_is_refused(when):
     """A parametrization tying a layer's weight to another layer's trained weight (held outside its
@@ -971,3 +986,27 @@ def test_a_parametrization_reading_a_trained_tensor_is_refused(when):
     with pytest.raises(fastdp.UnsupportedModuleError, match="received a gradient from outside its layer"):
         model(torch.randn(4, 3)).square().sum().backward()
     assert opt.steps == 0
+
+
+def test_a_frozen_parametrization_is_computed_once_and_left_unchanged():
+    """Checking a parametrized layer for a trained parametrization computed it an extra time per call
+    (slower steps), and in training mode advanced spectral_norm's power iteration, so the private model
+    drifted from a plain copy; validate() changed it too (regression review)."""
+    import torch.nn.utils.parametrizations as parametrizations
+
+    torch.manual_seed(0)
+    model = nn.Sequential(parametrizations.spectral_norm(nn.Linear(4, 4)))
+    model[0].parametrizations.weight.original.requires_grad_(False)
+    plain = copy.deepcopy(model)
+    u = model[0].parametrizations.weight[0]._u.clone()
+    fastdp.validate(model)
+    assert torch.equal(model[0].parametrizations.weight[0]._u, u)
+    opt = make(model)
+    x = torch.randn(3, 4)
+    for _ in range(3):
+        torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
+    calls = []
+    model[0].parametrizations.weight[0].register_forward_hook(lambda *a: calls.append(1))
+    model(x).sum().backward()
+    opt.step()
+    assert len(calls) == 1 and opt.steps == 1
