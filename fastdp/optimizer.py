@@ -21,6 +21,7 @@ import inspect
 import math
 import operator
 import os
+import sys
 import types
 import warnings
 import weakref
@@ -134,6 +135,7 @@ class DPOptimizer(torch.optim.Optimizer):
         self._noise_key = (seed if seed is not None else int.from_bytes(os.urandom(8), "little")) & _MASK64
         self.secure_mode = bool(secure_mode)
         self.steps = 0
+        self._steps_loaded = 0
         self._skip_next_step = False  # set by BatchMemoryManager for non-final chunks
         self._logical_batch_open = False  # a skipped step left clipped sums to keep
         self._step_hooks: List[Callable[["DPOptimizer"], None]] = []
@@ -298,13 +300,13 @@ class DPOptimizer(torch.optim.Optimizer):
         on the module in this process (checked at the first step: an accountant attached or loaded
         since the optimizer was built may still bring them)."""
         recorded = getattr(self.accountant, "steps", None)
-        if not (isinstance(recorded, int) and recorded >= self._earlier_steps + self.steps):
+        if not (isinstance(recorded, int) and recorded >= self._earlier_steps + self.steps - self._steps_loaded):
             warnings.warn(
                 f"the module took {self._earlier_steps} noisy steps under earlier DPOptimizers in this process, which "
                 f"this {type(self.accountant).__name__} has not recorded: its epsilon covers this optimizer's steps "
                 "only. If they trained on the same data, attach the earlier optimizer's accountant "
                 "(optimizer.attach_accountant(earlier.accountant, sample_rate)), which goes on counting",
-                UserWarning, stacklevel=4)
+                UserWarning, stacklevel=_user_stacklevel())
         self._earlier_steps = 0  # said once
 
     def attach_loader(self, loader) -> None:
@@ -647,7 +649,7 @@ class DPOptimizer(torch.optim.Optimizer):
                     "computed from them (weights, losses, metrics) is ever released",
                     UserWarning, stacklevel=3)
         self.original_optimizer.load_state_dict(state_dict["optimizer"])
-        self.steps = state_dict["steps"]
+        self.steps = self._steps_loaded = state_dict["steps"]  # a resume's steps: counted in _earlier_steps too
         if history is not None and restorable:
             self.accountant.load_state_dict(history)
         self._noise_draws = draws
@@ -668,6 +670,15 @@ def _noise_std(sigma: float, clipping) -> float:
     return 0.0 if sigma == 0 else sigma * clipping.sensitivity
 
 
+def _user_stacklevel() -> int:
+    """The ``warnings.warn`` stacklevel, from the function calling this, of the first frame outside
+    fastdp and torch.optim: the user's call (through step hooks' wrappers too)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _check_noise_std(sigma: float, clipping) -> None:
     """Refuse a noise std that is not a finite float (sigma times a huge bound): found at the
     step, it would come after the step was counted."""
@@ -675,6 +686,8 @@ def _check_noise_std(sigma: float, clipping) -> None:
         raise ValueError(f"the noise std, noise_multiplier ({sigma}) times the clipping sensitivity "
                          f"({clipping.sensitivity}), overflows a float: lower max_grad_norm or noise_multiplier")
 
+
+_INTERNAL_DIRS = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.optim.__file__)))
 
 # module -> {digest of a noise key: seeds drawn under it}, for as long as the module lives
 _NOISE_DRAWS: "weakref.WeakKeyDictionary[nn.Module, Dict[bytes, int]]" = weakref.WeakKeyDictionary()

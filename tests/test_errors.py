@@ -945,8 +945,9 @@ def test_an_optimizer_rebuilt_on_a_trained_module_warns_of_a_fresh_accountant():
     model, _ = trained_three_steps()
     rebuilt = make(model)
     rebuilt.attach_accountant(make_accountant("rdp"), 0.5)
-    with pytest.warns(UserWarning, match="took 3 noisy steps under earlier DPOptimizers.*attach the earlier"):
+    with pytest.warns(UserWarning, match="took 3 noisy steps under earlier DPOptimizers.*attach the earlier") as said:
         step(model, rebuilt)
+    assert said[0].filename == __file__  # the user's step() call (regression review)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         step(model, rebuilt)  # said once
@@ -955,6 +956,20 @@ def test_an_optimizer_rebuilt_on_a_trained_module_warns_of_a_fresh_accountant():
         rebuilt.attach_accountant(make_accountant("rdp"), 0.5)
         rebuilt.attach_accountant(earlier, 0.5)  # carried over: it holds the 3 steps
         step(model, rebuilt)
+        # a checkpoint of those steps loaded in the same process: the loaded steps are the earlier ones
+        # (regression review)
+        model = nn.Linear(3, 2)
+        saved = make(model)
+        saved.attach_accountant(make_accountant("rdp"), 0.5)
+        for _ in range(2):
+            step(model, saved)
+        state = saved.state_dict()
+        saved.detach()
+        resumed = make(model)
+        resumed.attach_accountant(make_accountant("rdp"), 0.5)
+        resumed.load_state_dict(state)
+        step(model, resumed)
+        assert resumed.accountant.steps == 3
         fresh = nn.Linear(3, 2)  # a module not trained before
         other = make(fresh)
         other.attach_accountant(make_accountant("rdp"), 0.5)
