@@ -124,7 +124,7 @@ class GradSampleEngine:
         names = rule.param_names
         attributes, children = module.__dict__, module._modules
 
-        def hooked(owner, args, kwargs, params):
+        def hooked(args, kwargs, params):
             if kwargs:  # by the layer's own argument names (nn.Linear(...)(input=x)): passed on by position
                 args, kwargs = signature.bind(*args, **kwargs).args, {}
             source = args[0] if args and isinstance(args[0], torch.Tensor) else None
@@ -145,8 +145,8 @@ class GradSampleEngine:
                 with parametrize.cached():  # its tensors computed once, for the check and the call
                     if trained_parametrization(module):
                         return plain(owner, *args, **kwargs)
-                    return hooked(owner, args, kwargs, params)
-            return hooked(owner, args, kwargs, params)
+                    return hooked(args, kwargs, params)
+            return hooked(args, kwargs, params)
 
         forward.fastdp_engine, forward.fastdp_module = self, module
         return types.MethodType(forward, module)

@@ -361,7 +361,7 @@ class DPOptimizer(torch.optim.Optimizer):
                     "samples fed to the model in two backward passes (micro-batches that overlap, where no "
                     "trained layer sees the loader's tensors, e.g. behind a frozen first layer) are clipped "
                     "twice while the noise is scaled for once; ignore this for data that does not come from the "
-                    "private dataset, such as a GAN's generated samples", UserWarning, stacklevel=4)
+                    "private dataset, such as a GAN's generated samples", UserWarning, stacklevel=_user_stacklevel())
 
     def abandon_logical_batch(self) -> None:
         """Drop the clipped sums of a logical batch left before its last chunk (a loop over a
