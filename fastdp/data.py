@@ -19,10 +19,9 @@ import hashlib
 import math
 import operator
 import warnings
-import weakref
 from collections import deque
 from collections.abc import Mapping
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional
+from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optional
 
 import numpy as np
 import torch
@@ -30,6 +29,7 @@ from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSamp
                               SequentialSampler, SubsetRandomSampler)
 from torch.utils.data._utils.collate import default_collate
 
+from fastdp.identity import TensorMap
 from fastdp.secure import os_entropy
 
 
@@ -248,7 +248,7 @@ class BatchLedger:
         """Start counting at ``taken`` with no step open (a new run, or a resumed position)."""
         self.taken = self.stepped_at = taken
         self.closed_once = False  # a step (or a refused one) has closed the count since
-        self.handed: Dict[int, tuple] = {}  # id -> (weak reference, batch number)
+        self.handed = TensorMap()  # tensor -> batch number
         self.last_chunk: Optional[int] = None  # samples in the batch (or chunk) handed out last
         self.batch_samples: Optional[int] = 0  # samples of the batch taken last, over its chunks (None: unknown)
 
@@ -264,7 +264,7 @@ class BatchLedger:
                 "samples come together again, while the accountant counts every batch as a fresh Poisson draw; give "
                 "each loader its own seed (seed=None draws one from OS entropy), or go on with the earlier loader",
                 UserWarning, stacklevel=4)
-        self.handed = {key: entry for key, entry in self.handed.items() if entry[0]() is not None}
+        self.handed.prune()
         self.batch_samples = 0
         self.hand_out(batch, size)
 
@@ -277,17 +277,12 @@ class BatchLedger:
         for t in _tensors_in(batch):
             for u in (t, t._base):
                 if u is not None:
-                    self.handed[id(u)] = (weakref.ref(u), self.taken)
+                    self.handed[u] = self.taken
 
-    def traced_batches(self, tensors: Dict[int, weakref.ref]) -> set:
-        """The batches of the handed-out tensors among ``tensors`` (id -> weak reference: the
-        inputs a backward pass's layers saw, and what they are views of)."""
-        found = set()
-        for key, ref in tensors.items():
-            entry = self.handed.get(key)
-            if entry is not None and entry[0]() is not None and entry[0]() is ref():
-                found.add(entry[1])
-        return found
+    def traced_batches(self, tensors: Iterable[torch.Tensor]) -> set:
+        """The batches of the handed-out tensors among ``tensors`` (the inputs a backward pass's
+        layers saw, and what they are views of)."""
+        return {self.handed.get(t) for t in tensors if t in self.handed}
 
     def batches_of(self, traced: set) -> set:
         """The batches a backward pass came from: those it was traced to, else the last one
@@ -296,8 +291,7 @@ class BatchLedger:
 
     def is_batch_tensor(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is a tensor the loader handed out (its dim 0 is the samples)."""
-        entry = self.handed.get(id(t))
-        return entry is not None and entry[0]() is t
+        return t in self.handed
 
     def samples_in_pass(self, batches: set) -> Optional[int]:
         """How many samples a backward pass on ``batches`` (its :meth:`batches_of`) can hold, one

@@ -22,7 +22,6 @@ from __future__ import annotations
 import inspect
 import types
 import warnings
-import weakref
 from collections import defaultdict
 from typing import Dict, List, Optional, Sequence
 
@@ -31,6 +30,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from fastdp import ops
+from fastdp.identity import TensorMap
 from fastdp.layers import Record, Tap, UnsupportedModuleError, rule_for
 from fastdp.layers.base import weighted_sum, zeroed_samples
 from fastdp.ops import compute_dtype, sample_sq_norms
@@ -181,12 +181,12 @@ class GradSampleEngine:
         if x is None:
             x = rec.activation[0] if isinstance(rec.activation, tuple) else rec.activation
         if isinstance(x, torch.Tensor):
-            self._pass_inputs[id(x)] = (weakref.ref(x), x._version)
+            self._pass_inputs[x] = x._version
             if not rec.params:
                 return
             self._check_rows(rec.module, x)
             if x._base is not None and self.ledger is not None:  # a view of the batch (nn.Flatten)
-                self._pass_bases[id(x._base)] = weakref.ref(x._base)
+                self._pass_bases[x._base] = None
         if rec.params:
             rec.rule.prepare(rec)
             self._pending.append(rec)
@@ -254,20 +254,15 @@ class GradSampleEngine:
     def _note_samples(self, batch: torch.Tensor, rows: tuple) -> None:
         """Keep the rows of the loader's ``batch`` a layer call saw: ``_check_samples_once`` compares
         them with the earlier passes' at the pass's end."""
-        seen = self._pass_samples.get(id(batch))
-        if seen is None or seen[0]() is not batch:
-            seen = self._pass_samples[id(batch)] = (weakref.ref(batch), set())
-        seen[1].add(rows)
+        self._pass_samples.setdefault(batch, set()).add(rows)
 
-    def _check_samples_once(self, samples: Dict[int, tuple]) -> None:
+    def _check_samples_once(self, samples: TensorMap) -> None:
         """Refuse rows of the loader's batch tensors (this pass's ``_pass_samples``) that an earlier
         pass since the last step saw through other views (overlapping micro-batches, x[:4] sliced
         twice): clipped twice."""
-        for key, (ref, ranges) in samples.items():
-            earlier = self._step_samples.get(key)
-            if earlier is None or earlier[0]() is not ref():
-                continue
-            if any(not earlier[1].isdisjoint(_rows(rows)) for rows in ranges):
+        for data, ranges in samples.items():
+            earlier = self._step_samples.get(data)
+            if earlier is not None and any(not earlier.isdisjoint(_rows(rows)) for rows in ranges):
                 raise UnsupportedModuleError(
                     "this backward pass's layers saw samples of the loader's batch that an earlier pass since the "
                     "last step saw too (micro-batches that overlap, or one sliced twice): each pass clips its "
@@ -319,17 +314,15 @@ class GradSampleEngine:
         self.step_passes += 1
         self._step_inputs.update(inputs)
         self._step_taps.update(taps)
-        for key, (ref, ranges) in samples.items():
-            earlier = self._step_samples.get(key)
-            if earlier is None or earlier[0]() is not ref():
-                earlier = self._step_samples[key] = (ref, set())
+        for data, ranges in samples.items():
+            earlier = self._step_samples.setdefault(data, set())
             for rows in ranges:
-                earlier[1].update(_rows(rows))
+                earlier.update(_rows(rows))
         self.samples_seen += batch
         if found is not None:
             self.step_batches.update(found)
 
-    def _check_pass(self, inputs: Dict[int, tuple], taps: Dict[int, Tap], samples: Dict[int, tuple]) -> None:
+    def _check_pass(self, inputs: TensorMap, taps: Dict[int, Tap], samples: TensorMap) -> None:
         """Refuse a pass that would clip samples seen before, or a part of their gradients on its
         own (a pass inside another one), or whose parameters got gradients outside the hooks."""
         self._check_new_samples(inputs, taps)
@@ -344,10 +337,10 @@ class GradSampleEngine:
             )
         self.check_foreign_grads()
 
-    def _trace_batches(self, inputs: Dict[int, tuple], bases: Dict[int, weakref.ref], batch: int) -> set:
+    def _trace_batches(self, inputs: TensorMap, bases: TensorMap, batch: int) -> set:
         """The attached loader's batches this pass's layer inputs (or the tensors they view) came
         from; refuses more rows than the batch holds samples where the pass is traced to it."""
-        traced = self.ledger.traced_batches({**{key: ref for key, (ref, _) in inputs.items()}, **bases})
+        traced = self.ledger.traced_batches([*inputs, *bases])
         found = self.ledger.batches_of(traced)
         self._check_rows_per_sample(batch, self.ledger.samples_in_pass(found), bool(traced))
         return found
@@ -401,7 +394,7 @@ class GradSampleEngine:
             warnings.warn(what + " (ignore this for data that does not come from the private dataset, such as a "
                           "GAN's generated samples)", UserWarning, stacklevel=2)
 
-    def _check_new_samples(self, inputs: Dict[int, tuple], taps: Dict[int, Tap]) -> None:
+    def _check_new_samples(self, inputs: TensorMap, taps: Dict[int, Tap]) -> None:
         """Each backward pass before a step adds its samples' clipped sums, so it must see new
         samples: a layer input (same tensor, unchanged) already seen in an earlier pass since the
         last step, or a forward call an earlier pass went through (backward twice through one
@@ -409,8 +402,7 @@ class GradSampleEngine:
         with noise for once."""
         seen = self._step_inputs  # the passes since the last step add theirs when they complete
         if any(key in self._step_taps for key in taps) or any(
-                key in seen and ref() is not None and seen[key][0]() is ref() and seen[key][1] == version
-                for key, (ref, version) in inputs.items()):
+                seen.get(x) == version for x, version in inputs.items()):
             raise UnsupportedModuleError(
                 "the same samples were backpropagated twice before step() (a layer saw the same "
                 "input tensor in two backward() calls): fastdp clips each backward call's samples "
@@ -544,29 +536,28 @@ class GradSampleEngine:
 
 # What one backward pass collects until its end, attribute by attribute (a factory of its empty value):
 # _drop_pass starts each afresh, and the whole is set aside while a pass runs inside it (_start_pass).
-# Tensors are keyed by id() with a weak reference beside them: a later tensor given a freed one's id
-# is told apart.
+# Tensors are kept in TensorMaps (by identity, weakly).
 _PASS_STATE = {
     "_pending": list,  # the Records of the pass's hooked layer calls
-    # layer inputs by id: (weak reference, version), to tell the same samples backpropagated twice
-    "_pass_inputs": dict,
+    # layer inputs: their version, to tell the same samples backpropagated twice
+    "_pass_inputs": TensorMap,
     "_pass_taps": dict,  # the forward calls (their Taps) the pass went through, by id
-    # the tensors the layer inputs are views of, by id (weak references): with the inputs themselves,
-    # what finds the data batch the pass came from (attach_loader)
-    "_pass_bases": dict,
+    # the tensors the layer inputs are views of (values None): with the inputs themselves, what finds
+    # the data batch the pass came from (attach_loader)
+    "_pass_bases": TensorMap,
     "_pass_rows": dict,  # rows of its base each (layer id, base id) saw: (first, step, count)
-    # rows of the loader's batch tensors the layers saw, by id: (weak reference, set of (first, step, count))
-    "_pass_samples": dict,
+    # rows of the loader's batch tensors the layers saw: a set of (first, step, count) each
+    "_pass_samples": TensorMap,
     "_queued_task": lambda: None,  # the autograd graph task whose end runs _finish_backward
 }
 
 # What the passes since the last step saw (each completed pass adds its own; clear() starts afresh).
 _STEP_STATE = {
-    "_step_inputs": dict,  # as _pass_inputs
+    "_step_inputs": TensorMap,  # as _pass_inputs
     "_step_taps": dict,  # as _pass_taps
-    # the rows of the loader's batch tensors, by id: (weak reference, set of row indices), to tell the
-    # same samples in two passes by views (overlapping micro-batches)
-    "_step_samples": dict,
+    # the rows of the loader's batch tensors (a set of row indices each), to tell the same samples in
+    # two passes by views (overlapping micro-batches)
+    "_step_samples": TensorMap,
     "step_batches": set,  # which data batches of the attached loader the passes came from
     "step_passes": int,  # the passes completed (an empty batch's included)
 }
