@@ -29,6 +29,7 @@ from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSamp
                               SequentialSampler, SubsetRandomSampler)
 from torch.utils.data._utils.collate import default_collate
 
+from fastdp.accounting.base import check_sample_rate
 from fastdp.identity import TensorMap
 from fastdp.secure import os_entropy
 
@@ -42,14 +43,6 @@ def uniform_subset(rng: np.random.Generator, population: int, size: int) -> List
     out = list(chosen)
     rng.shuffle(out)
     return out
-
-
-def check_sample_rate(sample_rate: float) -> float:
-    """A rate batches are drawn at, in (0, 1]; the accountants also take 0 (nothing released)."""
-    rate = float(sample_rate)
-    if not 0 < rate <= 1:  # also rejects NaN
-        raise ValueError(f"sample_rate must be in (0, 1], got {sample_rate}")
-    return rate
 
 
 # digest of (seed, stream, dataset size) -> [batches of it that steps released in this process (the highest index + 1)]
@@ -93,7 +86,7 @@ class PoissonBatchSampler(Sampler[List[int]]):
         if secure_mode and seed is not None:
             raise ValueError("secure_mode=True draws batches from OS entropy: do not pass a seed")
         self.num_samples = num_samples
-        self._sample_rate = check_sample_rate(sample_rate)
+        self._sample_rate = check_sample_rate(sample_rate, allow_zero=False)
         self.steps = steps_per_epoch(self._sample_rate) if steps is None else int(steps)
         if self.steps <= 0:
             raise ValueError(f"steps must be positive, got {self.steps}")

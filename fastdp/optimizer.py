@@ -35,7 +35,7 @@ from torch import nn
 from fastdp import ops, secure
 from fastdp.arguments import finite_number
 from fastdp.clipping import make_clipping
-from fastdp.data import check_sample_rate
+from fastdp.accounting.base import check_sample_rate
 from fastdp.engine import GradSampleEngine
 from fastdp.layers import UnsupportedModuleError
 from fastdp.validate import grad_hook_problem
@@ -268,7 +268,7 @@ class DPOptimizer(torch.optim.Optimizer):
         sample_rate=)``) at this optimizer's sigma and ``sample_rate``, before the step's noisy
         gradients are released: a step is counted even if it fails afterwards, never released
         uncounted."""
-        rate = check_sample_rate(sample_rate)  # in (0, 1]: at 0 the accountant would report epsilon = 0
+        rate = check_sample_rate(sample_rate, allow_zero=False)  # at 0 the accountant would report epsilon = 0
         recorded = getattr(accountant, "steps", None)  # fastdp's accountants count their steps
         if self.steps and not (isinstance(recorded, int) and recorded >= self.steps):
             raise ValueError(

@@ -767,7 +767,7 @@ def test_attach_accountant_refuses_a_sample_rate_batches_cannot_be_drawn_at(rate
     model = nn.Linear(3, 2)
     opt = make(model, max_grad_norm=1.0, noise_multiplier=1.0)
     accountant = fastdp.accounting.make_accountant("rdp")
-    with pytest.raises(ValueError, match=r"sample_rate must be in \(0, 1\]"):
+    with pytest.raises(ValueError, match=r"sample_rate must lie in \(0, 1\]"):
         opt.attach_accountant(accountant, rate)
     assert opt.accountant is None
 

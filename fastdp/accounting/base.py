@@ -34,14 +34,17 @@ def check_noise_multiplier(sigma: float) -> float:
     return value
 
 
-def check_sample_rate(q: float) -> float:
-    """Return q as float; q is a Poisson sampling probability and must lie in [0, 1]."""
+def check_sample_rate(q: float, allow_zero: bool = True) -> float:
+    """Return q as float; q is a Poisson sampling probability and must lie in [0, 1]. The
+    accountants take 0 (nothing released); a rate batches are drawn at (``allow_zero=False``)
+    must lie in (0, 1]."""
+    interval = "[0, 1]" if allow_zero else "(0, 1]"
     try:
         value = float(q)
     except (TypeError, ValueError):
-        raise ValueError(f"sample_rate must be a number in [0, 1], got {q!r}") from None
-    if math.isnan(value) or not 0.0 <= value <= 1.0:
-        raise ValueError(f"sample_rate must lie in [0, 1] (1 = full batch), got {q!r}")
+        raise ValueError(f"sample_rate must be a number in {interval}, got {q!r}") from None
+    if math.isnan(value) or not 0.0 <= value <= 1.0 or (value == 0.0 and not allow_zero):
+        raise ValueError(f"sample_rate must lie in {interval} (1 = full batch), got {q!r}")
     return value
 
 
