@@ -21,6 +21,7 @@ from fastdp.accounting import (
     OrderGridWarning,
     PLDAccountant,
     RDPAccountant,
+    UnreachableTargetError,
     calibrate_noise,
     make_accountant,
 )
@@ -445,6 +446,24 @@ def test_cli_calibrate_searches_up_to_sigma_max(capsys):
     assert _cli(argv + ["--sigma-max", "1e6"]) == 0
     sigma = float(capsys.readouterr().out.splitlines()[0].split(":")[1])
     assert 1e4 < sigma < 1e6 and accounting.epsilon(sigma, 0.1, 10000, 1e-5) <= 0.001
+
+
+@pytest.mark.parametrize("sigma_max", [0.1, 0.5, 0.64])
+def test_calibrate_never_returns_more_noise_than_sigma_max(sigma_max):
+    """The search started at sigma = 1 whatever sigma_max was: with sigma_max below 1 it returned 0.65
+    for a target that needs 0.65, and quoted epsilon at sigma = 1 as sigma_max's (checkpoint review)."""
+    with pytest.raises(UnreachableTargetError, match=f"noise_multiplier={sigma_max:g}") as err:
+        calibrate_noise(3.0, 1e-5, 0.01, 100, sigma_max=sigma_max)
+    assert f"epsilon={accounting.epsilon(sigma_max, 0.01, 100, 1e-5):.6g}" in str(err.value)
+    sigma = calibrate_noise(3.0, 1e-5, 0.01, 100, sigma_max=0.7)
+    assert sigma <= 0.7 and 0.995 * 3.0 <= accounting.epsilon(sigma, 0.01, 100, 1e-5) <= 3.0
+    for low, high in ((1e-4, 0.0), (1e-4, -1.0), (0.5, 0.4), (0.0, 1.0)):
+        with pytest.raises(ValueError, match="sigma_min <= sigma_max"):
+            calibrate_noise(3.0, 1e-5, 0.01, 100, sigma_min=low, sigma_max=high)
+
+
+def test_calibrate_walks_down_to_sigma_min():
+    assert calibrate_noise(1e6, 1e-5, 0.01, 10, sigma_min=0.05) == 0.05  # a target met by any noise
 
 
 def test_cli_reports_bad_input(capsys):

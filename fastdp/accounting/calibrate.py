@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from .base import check_delta, check_noise_multiplier, check_sample_rate, check_steps, make_accountant
+from .base import check_delta, check_sample_rate, check_steps, make_accountant
 
 __all__ = ["epsilon", "calibrate_noise", "UnreachableTargetError"]
 
@@ -59,7 +59,9 @@ def calibrate_noise(
     steps = check_steps(steps)
     if not 0 < rtol < 1:
         raise ValueError(f"rtol must lie in (0, 1), got {rtol!r}")
-    sigma_max = check_noise_multiplier(sigma_max)
+    sigma_min, sigma_max = float(sigma_min), float(sigma_max)
+    if not 0 < sigma_min <= sigma_max:  # also refuses NaN
+        raise ValueError(f"need 0 < sigma_min <= sigma_max, got sigma_min={sigma_min!r}, sigma_max={sigma_max!r}")
     make_accountant(accountant)  # validate the name before any work
     if q == 0.0 or steps == 0:
         return 0.0
@@ -67,27 +69,27 @@ def calibrate_noise(
     def eps_of(sigma: float) -> float:
         return epsilon(sigma, q, steps, delta, accountant)
 
-    # Bracket: eps(lo) > target >= eps(hi).
-    hi, eps_hi = 1.0, eps_of(1.0)
+    # Bracket: eps(lo) > target >= eps(hi), from sigma = 1 (or sigma_max, if lower).
+    hi = max(min(1.0, sigma_max), sigma_min)
+    eps_hi = eps_of(hi)
     lo, eps_lo = 0.0, math.inf
     while eps_hi > target:
         lo, eps_lo = hi, eps_hi
         if hi >= sigma_max:
             raise UnreachableTargetError(
-                f"target_epsilon={target:g} is unreachable: even noise_multiplier={sigma_max:g} gives "
+                f"target_epsilon={target:g} is unreachable: even noise_multiplier={hi:g} (sigma_max) gives "
                 f"epsilon={eps_hi:.6g} at delta={delta:g} (sample_rate={q:g}, steps={steps}); "
                 "raise the target, lower steps or sample_rate, or pass a larger sigma_max (--sigma-max)"
             )
         hi = min(2.0 * hi, sigma_max)
         eps_hi = eps_of(hi)
-    if lo == 0.0:  # sigma = 1 already meets the target: walk down
-        lo, eps_lo = 0.5, eps_of(0.5)
-        while eps_lo <= target:
-            hi, eps_hi = lo, eps_lo
-            if lo <= sigma_min:
-                return hi
-            lo = max(lo / 2.0, sigma_min)
-            eps_lo = eps_of(lo)
+    while lo == 0.0:  # the first sigma already meets the target: walk down
+        if hi <= sigma_min:
+            return hi
+        lo = max(hi / 2.0, sigma_min)
+        eps_lo = eps_of(lo)
+        if eps_lo <= target:
+            hi, eps_hi, lo = lo, eps_lo, 0.0
 
     # Refine on log(sigma) vs log(eps); keep the bracket, fall back to bisection.
     for iteration in range(100):
