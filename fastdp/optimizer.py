@@ -575,6 +575,7 @@ class DPOptimizer(torch.optim.Optimizer):
             "steps": self.steps,
             "noise_seed_state": seeds,
             "accountant": self.accountant.state_dict() if saves_history else None,
+            "param_names": self._group_param_names(),
         }
         for post_hook in self._optimizer_state_dict_post_hooks.values():
             state = post_hook(self, state) or state
@@ -586,6 +587,23 @@ class DPOptimizer(torch.optim.Optimizer):
         self._load_state(state_dict)
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def _group_param_names(self) -> List[List[str]]:
+        """The module's name of each parameter of each group of the wrapped optimizer."""
+        return [[self.engine.names.get(p, "?") for p in group["params"]] for group in self.original_optimizer.param_groups]
+
+    def _check_param_order(self, saved: Optional[List[List[str]]]) -> None:
+        """torch's load gives the saved per-parameter state (momentum, Adam's moments) and each group's
+        settings to the parameters by position: refuse a state whose parameters are ours in another order
+        (groups built in another order), which handed momentum to the wrong tensors (or crashed the next
+        step after it was counted). Renamed parameters (another module layout) are not checked here."""
+        ours = self._group_param_names()
+        if saved is None or saved == ours or sorted(sum(saved, [])) != sorted(sum(ours, [])):
+            return
+        raise ValueError(
+            f"the state's optimizer holds this module's parameters in another order (groups {saved} against this "
+            f"optimizer's {ours}): torch would load each parameter's state and group settings into another one; "
+            "build the optimizer's parameter groups in the order of the run that saved it")
 
     def _check_wrapped_state(self, state) -> None:
         """Refuse the state of another optimizer type before torch's load, which replaces the groups
@@ -626,6 +644,7 @@ class DPOptimizer(torch.optim.Optimizer):
                              "or start the run again")
         draws, key = int(seeds["draws"]), seeds.get("key")
         self._check_wrapped_state(state_dict["optimizer"])
+        self._check_param_order(state_dict.get("param_names"))
         history = state_dict.get("accountant")
         if history is not None and self.accountant is None and getattr(self, "rank", 0) == 0:
             raise ValueError("the state holds an accountant history but this optimizer has no accountant: "

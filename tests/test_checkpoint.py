@@ -491,3 +491,32 @@ def test_same_type_states_load_whatever_extra_keys_their_groups_hold():
     opt2 = build(seed=3, model_seed=1)[1]
     torch.optim.lr_scheduler.StepLR(opt2, step_size=2)  # adds initial_lr to the groups
     opt2.load_state_dict(state)
+
+
+def test_an_optimizer_with_its_groups_in_another_order_is_refused_unchanged():
+    """torch's load maps the saved per-parameter state and group settings by position: groups built in
+    another order took each other's momentum and weight decay, or the next step crashed after it was
+    counted (checkpoint review). Equal shapes (two 4x4 layers) would have gone unnoticed."""
+    def build_groups(order):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        groups = [{"params": [model[0].weight, model[0].bias], "weight_decay": 0.1},
+                  {"params": [model[2].weight, model[2].bias], "weight_decay": 0.0}]
+        opt = fastdp.DPOptimizer(torch.optim.SGD(groups[::order], lr=0.1, momentum=0.9), module=model,
+                                 noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=3, seed=0)
+        opt.attach_accountant(make_accountant("rdp"), 0.1)
+        return model, opt
+
+    model, opt = build_groups(1)
+    x = torch.randn(3, 4)
+    opt.zero_grad()
+    model(x).square().sum().backward()
+    opt.step()
+    saved = checkpoint.state_dict(model=model, optimizer=opt)
+    model2, opt2 = build_groups(-1)
+    with pytest.raises(ValueError, match="parameters in another order"):
+        checkpoint.load_state_dict(saved, model=model2, optimizer=opt2)
+    assert opt2.steps == 0 and opt2.accountant.steps == 0 and not opt2.original_optimizer.state
+    model3, opt3 = build_groups(1)
+    checkpoint.load_state_dict(saved, model=model3, optimizer=opt3)  # the same order loads
+    assert opt3.steps == 1
