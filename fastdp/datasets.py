@@ -73,8 +73,11 @@ def _open_idx(directory: str, stem: str):
     for name, opener in ((stem + ".gz", gzip.open), (stem, open)):
         path = os.path.join(directory, name)
         if os.path.isfile(path):
-            with opener(path, "rb") as f:
-                return f.read(), path
+            try:
+                with opener(path, "rb") as f:
+                    return f.read(), path
+            except (OSError, EOFError) as exc:  # gzip.BadGzipFile is an OSError; a truncated .gz an EOFError
+                raise ValueError(f"{path}: not a readable IDX file ({exc}); reinstall or download it again") from None
     return None, os.path.join(directory, stem + ".gz")
 
 

@@ -262,7 +262,7 @@ def save_plot(result: TrainResult, path: str, title: str = "") -> None:
     fig.tight_layout()
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")
     plt.close(fig)
 
 
@@ -281,6 +281,10 @@ def _summary(cfg: TrainConfig, result: TrainResult) -> str:
 
 def _check_writable(flag: str, path: str) -> None:
     """Create ``path``'s directory and check that a file can be written there, or exit naming ``flag``."""
+    if path.endswith(os.sep) or (os.altsep and path.endswith(os.altsep)):
+        raise SystemExit(f"fastdp train: {flag} {path}: a directory; give a file path")
+    if flag == "--plot" and os.path.splitext(path)[1].lower() not in ("", ".png"):
+        raise SystemExit(f"fastdp train: --plot {path}: the plot is a PNG; give a path ending in .png")
     directory = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(directory, exist_ok=True)

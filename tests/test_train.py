@@ -187,6 +187,28 @@ def test_an_unwritable_output_path_is_refused_before_training(tmp_path, flag):
         main(["train", "--dataset", "digits", "--no-progress", flag, str(tmp_path / "afile" / "out")])
 
 
+@pytest.mark.parametrize("flag, name, says", [
+    ("--metrics-json", "newdir/", "a directory"), ("--plot", "newdir/", "a directory"),
+    ("--plot", "acc.xyz", "ending in .png")])
+def test_an_output_path_the_run_cannot_write_as_asked_is_refused_before_training(tmp_path, flag, name, says):
+    """A directory not yet made, or a plot format matplotlib lacks, raised a traceback after the whole
+    run (checkpoint/CLI review)."""
+    with pytest.raises(SystemExit, match=f"{flag} .*{says}"):
+        main(["train", "--dataset", "digits", "--no-progress", flag, str(tmp_path) + "/" + name])
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not gzip"])
+def test_a_damaged_gzip_file_is_a_message_not_a_traceback(tmp_path, damage):
+    rng = np.random.default_rng(0)
+    for n, stem in ((50, "train"), (20, "t10k")):
+        _write_idx(tmp_path / f"{stem}-images-idx3-ubyte.gz", rng.integers(0, 256, (n, 28, 28)))
+        _write_idx(tmp_path / f"{stem}-labels-idx1-ubyte.gz", np.arange(n) % 10)
+    images = tmp_path / "train-images-idx3-ubyte.gz"
+    images.write_bytes(images.read_bytes()[:100] if damage == "truncated" else b"not a gzip stream")
+    with pytest.raises(SystemExit, match="train-images-idx3-ubyte.gz: not a readable IDX file"):
+        main(["train", "--data-dir", str(tmp_path), "--no-progress"])
+
+
 def test_a_delta_not_below_one_over_n_warns():
     pytest.importorskip("sklearn")
     with pytest.warns(UserWarning, match="delta=0.05 is not below 1/N = 0.02"):
