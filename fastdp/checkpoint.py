@@ -48,6 +48,10 @@ def state_dict(*, model: nn.Module, optimizer, data_loader=None, include_secrets
     """Everything needed to resume: model, optimizer (with the accountant) and loader state;
     the noise key and sampler seed only with ``include_secrets`` (never publish that)."""
     if optimizer.engine.summed:
+        if optimizer._logical_batch_open or optimizer._skip_next_step:  # a BatchMemoryManager chunk's step kept them
+            raise RuntimeError("a BatchMemoryManager logical batch is open: its chunks' clipped sums wait for its last "
+                               "chunk's step(), and zero_grad() keeps them; checkpoint after that step (when "
+                               "optimizer.steps goes up) or before the first chunk's backward()")
         raise RuntimeError("clipped gradients are pending (backward() ran since the last step()): "
                            "checkpoint after optimizer.step() or zero_grad()")
     if optimizer.resumable_failed_step():

@@ -520,3 +520,20 @@ def test_an_optimizer_with_its_groups_in_another_order_is_refused_unchanged():
     model3, opt3 = build_groups(1)
     checkpoint.load_state_dict(saved, model=model3, optimizer=opt3)  # the same order loads
     assert opt3.steps == 1
+
+
+def test_a_save_inside_a_logical_batch_says_when_to_save():
+    """The refusal told the user to save after step() or zero_grad(), neither of which ends a
+    BatchMemoryManager logical batch (checkpoint review)."""
+    model, opt, loader = build(seed=5)  # batches of about 6 rows: chunks of 2
+    with BatchMemoryManager(data_loader=loader, max_physical_batch_size=2, optimizer=opt) as chunks:
+        for x, y in chunks:
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if opt.steps == 0 and opt.engine.summed:
+                with pytest.raises(RuntimeError, match="logical batch is open.*optimizer.steps goes up"):
+                    checkpoint.state_dict(model=model, optimizer=opt)
+                return
+    pytest.fail("no chunk left a logical batch open")
