@@ -22,6 +22,7 @@ from typing import Dict, List, Sequence
 import torch
 
 from fastdp import ops
+from fastdp.callers import user_stacklevel
 
 LIBRARY = Path(__file__).with_name("_cuda_noise.so")
 GROUP = 256  # elements per Philox counter group / 4, as in csrc/philox.h and kernels/noise.py
@@ -91,7 +92,7 @@ def _runs_on(device: torch.device) -> bool:
         except Exception as exc:
             warnings.warn(f"fastdp: {LIBRARY.name} does not run on {torch.cuda.get_device_name(device)} ({exc}); "
                           "using the PyTorch noise reference. Rebuild it there: make cuda-lib",
-                          RuntimeWarning, stacklevel=3)
+                          RuntimeWarning, stacklevel=user_stacklevel())
             _RUNS[index] = False
     return _RUNS[index]
 

@@ -37,6 +37,8 @@ from typing import Any, Dict
 import torch
 from torch import nn
 
+from fastdp.callers import user_stacklevel
+
 FORMAT = "fastdp.checkpoint/2"  # /1 kept the accountant beside the optimizer's state; still read
 
 
@@ -131,7 +133,7 @@ def load_state_dict(state: Dict[str, Any], *, model: nn.Module, optimizer, data_
     elif data_loader is None and optimizer.loader is not None:
         warnings.warn("the checkpoint holds no loader position: the optimizer's loader goes on from where it "
                       "is, and if it was built with the run's seed it repeats the run's batches (the accountant "
-                      "would count them as fresh); build it with a fresh seed", UserWarning, stacklevel=2)
+                      "would count them as fresh); build it with a fresh seed", UserWarning, stacklevel=user_stacklevel())
     data_loader = _poisson_loader(data_loader)
     if data_loader is not None:  # refused before anything changes
         data_loader.check_state_dict(state["data_loader"])
@@ -143,7 +145,7 @@ def load_state_dict(state: Dict[str, Any], *, model: nn.Module, optimizer, data_
     if state["noise_multiplier"] != optimizer.noise_multiplier:
         warnings.warn(f"resuming with noise_multiplier={optimizer.noise_multiplier} (checkpoint: "
                       f"{state['noise_multiplier']}); the accountant composes the steps of both",
-                      UserWarning, stacklevel=2)
+                      UserWarning, stacklevel=user_stacklevel())
 
 
 def save(path, *, model: nn.Module, optimizer, data_loader=None, include_secrets: bool = False) -> None:

@@ -30,6 +30,7 @@ from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSamp
 from torch.utils.data._utils.collate import default_collate
 
 from fastdp.accounting.base import check_sample_rate
+from fastdp.callers import user_stacklevel
 from fastdp.identity import TensorMap
 from fastdp.secure import os_entropy
 
@@ -256,7 +257,7 @@ class BatchLedger:
                 "loader built again with an earlier one's seed, or a resume from an older checkpoint): the same "
                 "samples come together again, while the accountant counts every batch as a fresh Poisson draw; give "
                 "each loader its own seed (seed=None draws one from OS entropy), or go on with the earlier loader",
-                UserWarning, stacklevel=4)
+                UserWarning, stacklevel=user_stacklevel())
         self.handed.prune()
         self.batch_samples = 0
         self.hand_out(batch, size)

@@ -30,6 +30,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from fastdp import ops
+from fastdp.callers import user_stacklevel
 from fastdp.identity import TensorMap
 from fastdp.layers import Record, Tap, UnsupportedModuleError, rule_for
 from fastdp.layers.base import weighted_sum, zeroed_samples
@@ -112,7 +113,7 @@ class GradSampleEngine:
             warnings.warn(
                 f"parameter(s) {left[:8]} require grad but are not in the DP optimizer: fastdp's layers "
                 "compute no gradient for them (their .grad stays None); freeze them (requires_grad_(False)) "
-                "or give them to the optimizer", UserWarning, stacklevel=4)
+                "or give them to the optimizer", UserWarning, stacklevel=user_stacklevel())
 
     def _hooked_forward(self, module: nn.Module, rule):
         """``module``'s hooked forward, a method bound to it: ``copy.deepcopy`` rebinds it to the
@@ -392,7 +393,7 @@ class GradSampleEngine:
         if not self._warned_rows:
             self._warned_rows = True
             warnings.warn(what + " (ignore this for data that does not come from the private dataset, such as a "
-                          "GAN's generated samples)", UserWarning, stacklevel=2)
+                          "GAN's generated samples)", UserWarning, stacklevel=user_stacklevel())
 
     def _check_new_samples(self, inputs: TensorMap, taps: Dict[int, Tap]) -> None:
         """Each backward pass before a step adds its samples' clipped sums, so it must see new

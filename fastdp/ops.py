@@ -29,6 +29,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from fastdp.callers import user_stacklevel
+
 BACKENDS = ("reference", "native", "triton")
 _REGISTRY: Dict[str, Dict[Tuple[str, str], Callable]] = {}
 _FORCED_ONLY: set = set()  # (op, backend, device_type) used only when FASTDP_BACKEND names it
@@ -98,7 +100,7 @@ def _warn_unavailable(backend: str) -> None:
     # by module: the native backend's CPU kernels still run where only its CUDA library is missing
     warnings.warn(f"fastdp: {backend} kernels are unavailable from {'; '.join(_LOAD_ERRORS[backend])}; the "
                   "operations those modules implement use the PyTorch references (correct, slower)",
-                  RuntimeWarning, stacklevel=4)
+                  RuntimeWarning, stacklevel=user_stacklevel())
 
 
 def implementation(op: str, device: torch.device) -> Tuple[str, Callable]:

@@ -21,7 +21,6 @@ import inspect
 import math
 import operator
 import os
-import sys
 import types
 import warnings
 import weakref
@@ -34,6 +33,7 @@ from torch import nn
 
 from fastdp import ops, secure
 from fastdp.arguments import finite_number
+from fastdp.callers import user_stacklevel
 from fastdp.clipping import make_clipping
 from fastdp.accounting.base import check_sample_rate
 from fastdp.engine import GradSampleEngine
@@ -306,7 +306,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 f"this {type(self.accountant).__name__} has not recorded: its epsilon covers this optimizer's steps "
                 "only. If they trained on the same data, attach the earlier optimizer's accountant "
                 "(optimizer.attach_accountant(earlier.accountant, sample_rate)), which goes on counting",
-                UserWarning, stacklevel=_user_stacklevel())
+                UserWarning, stacklevel=user_stacklevel())
         self._earlier_steps = 0  # said once
 
     def attach_loader(self, loader) -> None:
@@ -340,7 +340,7 @@ class DPOptimizer(torch.optim.Optimizer):
                 f"the loader draws each example with probability {rate}, the accountant recorded {self.sample_rate} "
                 f"per step so far: it records {rate} from the next step on (the noisy sum's divisor stays "
                 f"expected_batch_size={self.expected_batch_size}; set it to {rate} x the dataset size if it should "
-                "follow)", UserWarning, stacklevel=2)
+                "follow)", UserWarning, stacklevel=user_stacklevel())
             self.sample_rate = rate
         if not ledger.closed_once:
             ledger.restart(ledger.taken)
@@ -361,7 +361,7 @@ class DPOptimizer(torch.optim.Optimizer):
                     "samples fed to the model in two backward passes (micro-batches that overlap, where no "
                     "trained layer sees the loader's tensors, e.g. behind a frozen first layer) are clipped "
                     "twice while the noise is scaled for once; ignore this for data that does not come from the "
-                    "private dataset, such as a GAN's generated samples", UserWarning, stacklevel=_user_stacklevel())
+                    "private dataset, such as a GAN's generated samples", UserWarning, stacklevel=user_stacklevel())
 
     def abandon_logical_batch(self) -> None:
         """Drop the clipped sums of a logical batch left before its last chunk (a loop over a
@@ -666,7 +666,7 @@ class DPOptimizer(torch.optim.Optimizer):
                     f"loading replaces the {self.accountant.steps} steps this optimizer's accountant recorded "
                     "with the state's history: their privacy cost is forgotten, which is sound only if nothing "
                     "computed from them (weights, losses, metrics) is ever released",
-                    UserWarning, stacklevel=3)
+                    UserWarning, stacklevel=user_stacklevel())
         self.original_optimizer.load_state_dict(state_dict["optimizer"])
         self.steps = self._steps_loaded = state_dict["steps"]  # a resume's steps: counted in _earlier_steps too
         if history is not None and restorable:
@@ -689,15 +689,6 @@ def _noise_std(sigma: float, clipping) -> float:
     return 0.0 if sigma == 0 else sigma * clipping.sensitivity
 
 
-def _user_stacklevel() -> int:
-    """The ``warnings.warn`` stacklevel, from the function calling this, of the first frame outside
-    fastdp and torch.optim: the user's call (through step hooks' wrappers too)."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL_DIRS):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
 def _check_noise_std(sigma: float, clipping) -> None:
     """Refuse a noise std that is not a finite float (sigma times a huge bound): found at the
     step, it would come after the step was counted."""
@@ -705,8 +696,6 @@ def _check_noise_std(sigma: float, clipping) -> None:
         raise ValueError(f"the noise std, noise_multiplier ({sigma}) times the clipping sensitivity "
                          f"({clipping.sensitivity}), overflows a float: lower max_grad_norm or noise_multiplier")
 
-
-_INTERNAL_DIRS = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.optim.__file__)))
 
 # module -> {digest of a noise key: seeds drawn under it}, for as long as the module lives
 _NOISE_DRAWS: "weakref.WeakKeyDictionary[nn.Module, Dict[bytes, int]]" = weakref.WeakKeyDictionary()

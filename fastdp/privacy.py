@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from fastdp.arguments import finite_number
+from fastdp.callers import user_stacklevel
 from fastdp.data import partial_sampler, poisson_loader, steps_per_epoch
 from fastdp.optimizer import DPOptimizer
 
@@ -98,7 +99,7 @@ def make_private(
     if target_epsilon is None and (target_delta is not None or epochs is not None):
         warnings.warn("target_delta and epochs only calibrate the noise for a target_epsilon: with noise_multiplier "
                       "given they are ignored (ask the accountant for epsilon at your delta: optimizer.epsilon(delta))",
-                      UserWarning, stacklevel=2)
+                      UserWarning, stacklevel=user_stacklevel())
     if target_epsilon is not None:
         if target_delta is None or epochs is None:
             raise ValueError("target_epsilon needs target_delta and epochs to calibrate the noise")
@@ -112,7 +113,7 @@ def make_private(
         warnings.warn(
             "poisson_sampling=False: shuffled fixed-size batches are not covered by the "
             "Poisson-subsampled Gaussian analysis; the reported epsilon is not a guarantee",
-            UserWarning, stacklevel=2,
+            UserWarning, stacklevel=user_stacklevel(),
         )
     privacy_accountant = accounting.make_accountant(accountant)  # an unknown name: refused before any hook
     dp_optimizer = DPOptimizer(

@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from fastdp.accounting import UnreachableTargetError, available_accountants
 from fastdp.allocator import keep_freed_memory
+from fastdp.callers import user_stacklevel
 from fastdp.cli import delta_float, momentum_float, nonnegative_int, positive_float, positive_int
 from fastdp.datasets import DATASETS, DatasetNotFoundError, collate_pairs, load_dataset
 from fastdp.privacy import make_private
@@ -181,7 +182,7 @@ def train(config: TrainConfig) -> TrainResult:
                                "(the sample rate B/N must be at most 1)")
     if cfg.delta >= 1 / n:
         warnings.warn(f"delta={cfg.delta:g} is not below 1/N = {1 / n:.3g}: a mechanism that publishes one "
-                      "random example outright meets such a delta; use delta << 1/N", UserWarning, stacklevel=2)
+                      "random example outright meets such a delta; use delta << 1/N", UserWarning, stacklevel=user_stacklevel())
     model = build_model(data.input_shape, data.num_classes, cfg.activation)
     base = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     loader = DataLoader(data.train, batch_size=cfg.batch_size, collate_fn=collate_pairs)

@@ -353,8 +353,9 @@ def test_a_loader_that_replays_released_batches_warns(monkeypatch):
         next(iter(resumed))  # batch 3 again: not released
         train(poisson_loader(DataLoader(ds, batch_size=8), seed=43), 2)  # another seed
     again = poisson_loader(DataLoader(ds, batch_size=16), seed=42)  # another rate: correlated batches
-    with pytest.warns(UserWarning, match="batch 0 of this loader's seed was released by an earlier step"):
+    with pytest.warns(UserWarning, match="batch 0 of this loader's seed was released by an earlier step") as said:
         next(iter(again))
+    assert said[0].filename == __file__  # the line taking the batch (docs review: one frame too high)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         next(iter(again))  # once per loader

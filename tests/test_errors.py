@@ -174,9 +174,15 @@ def test_a_backward_pass_that_raised_leaves_no_trace():
 def test_trainable_parameters_outside_the_optimizer_are_named():
     """Their .grad silently stayed None (no hooked layer computes it)."""
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
-    with pytest.warns(UserWarning, match=r"\['1.weight', '1.bias'\] require grad but are not in the DP optimizer"):
+    with pytest.warns(UserWarning, match=r"\['1.weight', '1.bias'\] require grad but are not in the DP optimizer") as said:
         fastdp.DPOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.1), module=model, noise_multiplier=1.0,
                            max_grad_norm=1.0, expected_batch_size=2)
+    with pytest.warns(UserWarning, match="require grad but are not in the DP optimizer") as said_too:
+        other = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
+        fastdp.make_private(module=other, optimizer=torch.optim.SGD(other[0].parameters(), lr=0.1),
+                            data_loader=torch.utils.data.DataLoader(torch.zeros(8, 3), batch_size=2),
+                            noise_multiplier=1.0, max_grad_norm=1.0)
+    assert said[0].filename == said_too[0].filename == __file__  # the user's call, either way (docs review)
 
 
 def test_the_warning_raised_as_an_error_leaves_the_module_unhooked():
@@ -560,8 +566,9 @@ def test_a_pass_with_more_rows_than_its_loader_batch_has_samples_is_refused():
     with pytest.raises(fastdp.UnsupportedModuleError, match=f"saw {2 * len(x)} rows .* holds {len(x)} samples"):
         model(x.view(-1, 2)).square().sum().backward()
     opt.zero_grad()
-    with pytest.warns(UserWarning, match=f"saw {2 * len(x)} rows .* GAN"):
+    with pytest.warns(UserWarning, match=f"saw {2 * len(x)} rows .* GAN") as said:
         model(torch.cat([x[:, :2], x[:, 2:]])).square().sum().backward()
+    assert said[0].filename == __file__  # the backward() call, not autograd's internals (docs review)
     opt.zero_grad()
     model(torch.stack([x[:, :2], x[:, 2:]], 1)).square().sum().backward()  # views on dim 1: one row per sample
     opt.step()
