@@ -112,6 +112,9 @@ class DPOptimizer(torch.optim.Optimizer):
                 f"{type(optimizer).__name__} needs a closure in step(): it evaluates the loss and its gradient "
                 "several times per step (a line search), each a release of the data that one noisy step does not "
                 "cover; use an optimizer that steps on one gradient (SGD, Adam, ...)")
+        if isinstance(optimizer, torch.optim.SparseAdam):
+            raise TypeError("SparseAdam steps on sparse gradients only, and fastdp's are dense (noise reaches every "
+                            "row: a sparse noisy gradient would show which rows the batch used); use Adam or AdamW")
         # torch.optim.Optimizer.__init__ is not called: state and groups are the wrapped ones.
         self.original_optimizer = optimizer
         self._optimizer_step_pre_hooks = OrderedDict()

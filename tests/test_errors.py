@@ -820,6 +820,15 @@ def test_an_optimizer_that_needs_a_closure_is_refused_at_construction():
     assert "forward" not in model.__dict__  # nothing hooked
 
 
+def test_sparse_adam_is_refused_at_construction():
+    """It was accepted, then its first step failed on fastdp's dense gradients (docs review)."""
+    model = nn.Linear(3, 2)
+    with pytest.raises(TypeError, match="SparseAdam steps on sparse gradients only"):
+        fastdp.DPOptimizer(torch.optim.SparseAdam(list(model.parameters())), module=model, noise_multiplier=1.0,
+                           max_grad_norm=1.0, expected_batch_size=4)
+    assert "forward" not in model.__dict__
+
+
 @pytest.mark.parametrize("when", ["before", "after"])
 @pytest.mark.parametrize("kind", ["register_hook", "register_post_accumulate_grad_hook"])
 def test_a_gradient_hook_on_a_private_parameter_is_refused(when, kind):
