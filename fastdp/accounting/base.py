@@ -63,8 +63,8 @@ def check_steps(steps: int) -> int:
 
 def check_delta(delta: float) -> float:
     """Return delta as float; delta must satisfy 0 < delta < 1 and be a normal float (a
-    subnormal delta, below 2.2e-308, leaves the Gaussian tails the accountants evaluate
-    without precision: the exact q = 1 epsilon came out too low)."""
+    subnormal delta, below ``sys.float_info.min`` = 2.2250738585072014e-308, leaves the Gaussian
+    tails the accountants evaluate without precision: the exact q = 1 epsilon came out too low)."""
     try:
         value = float(delta)
     except (TypeError, ValueError):
@@ -72,7 +72,7 @@ def check_delta(delta: float) -> float:
     if not 0.0 < value < 1.0:  # also rejects NaN
         raise ValueError(f"delta must satisfy 0 < delta < 1, got {delta!r}")
     if value < sys.float_info.min:
-        raise ValueError(f"delta={delta!r} is below {sys.float_info.min:.3g} (a subnormal float), where epsilon "
+        raise ValueError(f"delta={delta!r} is below {sys.float_info.min!r} (a subnormal float), where epsilon "
                          "cannot be computed accurately; use a larger delta")
     return value
 
