@@ -9,6 +9,7 @@ import argparse
 import importlib
 import math
 import sys
+import warnings
 from typing import List, Optional
 
 
@@ -95,7 +96,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    plain, warnings.formatwarning = warnings.formatwarning, _command_warning
+    try:
+        return int(args.func(args) or 0)
+    finally:
+        warnings.formatwarning = plain
+
+
+def _command_warning(message, category, filename, lineno, line=None) -> str:
+    """A warning as a command-line user reads it: no source location (there is no user code)."""
+    return f"fastdp: {category.__name__}: {message}\n"
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """``fastdp train``: a short DP-SGD run on Fashion-MNIST, the digits smoke run, data loading."""
 import gzip
 import json
+import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -213,6 +215,22 @@ def test_a_delta_not_below_one_over_n_warns():
     pytest.importorskip("sklearn")
     with pytest.warns(UserWarning, match="delta=0.05 is not below 1/N = 0.02"):
         train(TrainConfig(dataset="digits", subset=50, batch_size=10, epochs=1, delta=0.05, progress=False))
+
+
+def test_the_command_prints_warnings_without_a_source_location():
+    """A warning pointed at the user's line is, for the command, a line of the runpy module
+    (``<frozen runpy>:88: UserWarning: ...``): the command prints it as its own."""
+    pytest.importorskip("sklearn")
+    argv = ["train", "--dataset", "digits", "--subset", "50", "--batch-size", "10", "--epochs", "1",
+            "--delta", "0.05", "--no-progress", "--threads", "1"]
+    done = subprocess.run([sys.executable, "-m", "fastdp", *argv], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "fastdp: UserWarning: delta=0.05 is not below 1/N = 0.02" in done.stderr
+    assert "runpy" not in done.stderr
+    plain = warnings.formatwarning
+    with pytest.warns(UserWarning, match="not below 1/N"):
+        main(argv)
+    assert warnings.formatwarning is plain  # restored for the caller of main()
 
 
 @pytest.mark.parametrize("ties", [False, True])
