@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import zlib
 from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
@@ -76,7 +77,7 @@ def _open_idx(directory: str, stem: str):
             try:
                 with opener(path, "rb") as f:
                     return f.read(), path
-            except (OSError, EOFError) as exc:  # gzip.BadGzipFile is an OSError; a truncated .gz an EOFError
+            except (OSError, EOFError, zlib.error) as exc:  # a bad header, a truncated or a corrupt stream
                 raise ValueError(f"{path}: not a readable IDX file ({exc}); reinstall or download it again") from None
     return None, os.path.join(directory, stem + ".gz")
 

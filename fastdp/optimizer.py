@@ -595,18 +595,32 @@ class DPOptimizer(torch.optim.Optimizer):
         """The module's name of each parameter of each group of the wrapped optimizer."""
         return [[self.engine.names.get(p, "?") for p in group["params"]] for group in self.original_optimizer.param_groups]
 
-    def _check_param_order(self, saved: Optional[List[List[str]]]) -> None:
+    def _check_param_order(self, saved_names: Optional[List[List[str]]], saved: dict) -> None:
         """torch's load gives the saved per-parameter state (momentum, Adam's moments) and each group's
         settings to the parameters by position: refuse a state whose parameters are ours in another order
-        (groups built in another order), which handed momentum to the wrong tensors (or crashed the next
-        step after it was counted). Renamed parameters (another module layout) are not checked here."""
-        ours = self._group_param_names()
-        if saved is None or saved == ours or sorted(sum(saved, [])) != sorted(sum(ours, [])):
+        (groups built in another order) where that hands a parameter another one's state or settings
+        (it got their momentum, or its next step crashed after it was counted). Renamed parameters
+        (another module layout) are not checked here."""
+        ours = sum(self._group_param_names(), [])
+        flat = sum(saved_names or [], [])
+        if saved_names is None or flat == ours or sorted(flat) != sorted(ours):
             return
-        raise ValueError(
-            f"the state's optimizer holds this module's parameters in another order (groups {saved} against this "
-            f"optimizer's {ours}): torch would load each parameter's state and group settings into another one; "
-            "build the optimizer's parameter groups in the order of the run that saved it")
+        try:  # per position: the settings and state torch's load puts there
+            at = [(repr(sorted((k, v) for k, v in group.items() if k not in ("params", "param_names"))),
+                   bool(saved["state"].get(index))) for group in saved["param_groups"] for index in group["params"]]
+        except (AttributeError, KeyError, TypeError):
+            return  # not a torch layout: torch's load decides
+        if len(at) != len(flat):
+            return  # torch refuses it
+        had = dict(zip(flat, at))  # what each parameter had
+        moved = [name for name, was, here in zip(ours, flat, at)
+                 if name != was and (here[1] or had[name][1] or here[0] != had[name][0])]
+        if moved:
+            raise ValueError(
+                f"the state's optimizer holds this module's parameters in another order (groups {saved_names} "
+                f"against this optimizer's {self._group_param_names()}): torch would load another parameter's "
+                f"state or group settings into {moved[:4]}; build the optimizer's parameter groups in the order of "
+                "the run that saved it")
 
     def _check_wrapped_state(self, state) -> None:
         """Refuse the state of another optimizer type before torch's load, which replaces the groups
@@ -647,7 +661,7 @@ class DPOptimizer(torch.optim.Optimizer):
                              "or start the run again")
         draws, key = int(seeds["draws"]), seeds.get("key")
         self._check_wrapped_state(state_dict["optimizer"])
-        self._check_param_order(state_dict.get("param_names"))
+        self._check_param_order(state_dict.get("param_names"), state_dict["optimizer"])
         history = state_dict.get("accountant")
         if history is not None and self.accountant is None and getattr(self, "rank", 0) == 0:
             raise ValueError("the state holds an accountant history but this optimizer has no accountant: "

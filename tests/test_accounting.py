@@ -273,8 +273,9 @@ def test_rdp_conversion_formula():
 
 def test_rdp_warns_when_optimum_at_grid_edge():
     acc = RDPAccountant(orders=[2.0, 3.0, 4.0]).step(noise_multiplier=20.0, sample_rate=0.01, num_steps=10)
-    with pytest.warns(OrderGridWarning, match="largest"):
+    with pytest.warns(OrderGridWarning, match="largest") as said:
         acc.epsilon(1e-5)
+    assert said[0].filename == __file__  # the epsilon() call (regression review)
     acc = RDPAccountant(orders=[8.0, 16.0, 32.0]).step(noise_multiplier=0.5, sample_rate=0.5, num_steps=100)
     with pytest.warns(OrderGridWarning, match="smallest"):
         acc.epsilon(1e-5)
@@ -457,9 +458,14 @@ def test_calibrate_never_returns_more_noise_than_sigma_max(sigma_max):
     assert f"epsilon={accounting.epsilon(sigma_max, 0.01, 100, 1e-5):.6g}" in str(err.value)
     sigma = calibrate_noise(3.0, 1e-5, 0.01, 100, sigma_max=0.7)
     assert sigma <= 0.7 and 0.995 * 3.0 <= accounting.epsilon(sigma, 0.01, 100, 1e-5) <= 3.0
-    for low, high in ((1e-4, 0.0), (1e-4, -1.0), (0.5, 0.4), (0.0, 1.0)):
+    for high in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="sigma_max must be a number > 0"):
+            calibrate_noise(3.0, 1e-5, 0.01, 100, sigma_max=high)
+    for low, high in ((0.5, 0.4), (0.0, 1.0)):
         with pytest.raises(ValueError, match="sigma_min <= sigma_max"):
             calibrate_noise(3.0, 1e-5, 0.01, 100, sigma_min=low, sigma_max=high)
+    # below the default sigma_min of 1e-4: the search stays under sigma_max (regression review)
+    assert calibrate_noise(1e12, 1e-5, 0.01, 10, sigma_max=5e-5) <= 5e-5
 
 
 def test_calibrate_walks_down_to_sigma_min():

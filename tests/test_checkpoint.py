@@ -521,6 +521,22 @@ def test_an_optimizer_with_its_groups_in_another_order_is_refused_unchanged():
     checkpoint.load_state_dict(saved, model=model3, optimizer=opt3)  # the same order loads
     assert opt3.steps == 1
 
+    def stateless(order):  # one group, no momentum: torch's by-position load moves nothing
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+        opt = fastdp.DPOptimizer(torch.optim.SGD(list(model.parameters())[::order], lr=0.1), module=model,
+                                 noise_multiplier=1.0, max_grad_norm=1.0, expected_batch_size=3, seed=0)
+        opt.attach_accountant(make_accountant("rdp"), 0.1)
+        return model, opt
+
+    model, opt = stateless(1)
+    opt.zero_grad()
+    model(x).square().sum().backward()
+    opt.step()
+    model4, opt4 = stateless(-1)
+    checkpoint.load_state_dict(checkpoint.state_dict(model=model, optimizer=opt), model=model4, optimizer=opt4)
+    assert opt4.steps == 1  # accepted (regression review: refused although nothing would move)
+
 
 def test_a_save_inside_a_logical_batch_says_when_to_save():
     """The refusal told the user to save after step() or zero_grad(), neither of which ends a

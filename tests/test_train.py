@@ -199,14 +199,17 @@ def test_an_output_path_the_run_cannot_write_as_asked_is_refused_before_training
         main(["train", "--dataset", "digits", "--no-progress", flag, str(tmp_path) + "/" + name])
 
 
-@pytest.mark.parametrize("damage", ["truncated", "not gzip"])
+@pytest.mark.parametrize("damage", ["truncated", "not gzip", "corrupt stream"])
 def test_a_damaged_gzip_file_is_a_message_not_a_traceback(tmp_path, damage):
     rng = np.random.default_rng(0)
     for n, stem in ((50, "train"), (20, "t10k")):
         _write_idx(tmp_path / f"{stem}-images-idx3-ubyte.gz", rng.integers(0, 256, (n, 28, 28)))
         _write_idx(tmp_path / f"{stem}-labels-idx1-ubyte.gz", np.arange(n) % 10)
     images = tmp_path / "train-images-idx3-ubyte.gz"
-    images.write_bytes(images.read_bytes()[:100] if damage == "truncated" else b"not a gzip stream")
+    data = images.read_bytes()
+    if damage == "corrupt stream":  # a valid header, flipped bytes in the deflate stream (zlib.error)
+        data = data[:20] + bytes(b ^ 0xFF for b in data[20:60]) + data[60:]
+    images.write_bytes(data[:100] if damage == "truncated" else b"not a gzip stream" if damage == "not gzip" else data)
     with pytest.raises(SystemExit, match="train-images-idx3-ubyte.gz: not a readable IDX file"):
         main(["train", "--data-dir", str(tmp_path), "--no-progress"])
 

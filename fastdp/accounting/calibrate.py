@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 from .base import check_delta, check_sample_rate, check_steps, make_accountant
 
@@ -37,7 +38,7 @@ def calibrate_noise(
     *,
     rtol: float = 0.005,
     sigma_max: float = 1e4,
-    sigma_min: float = 1e-4,
+    sigma_min: Optional[float] = None,
 ) -> float:
     """A noise multiplier whose epsilon (at ``delta``) does not exceed the target and is within
     ``rtol`` of it: the smallest such sigma up to that tolerance.
@@ -46,7 +47,8 @@ def calibrate_noise(
     (bracketed secant steps on log sigma with bisection fallback; epsilon decreases with
     sigma) stops once ``epsilon(sigma) >= (1 - rtol) * target_epsilon``.  Returns 0.0 when
     nothing is ever released (``sample_rate == 0`` or ``steps == 0``).  Raises
-    ValueError when even ``sigma_max`` misses the target.
+    ValueError when even ``sigma_max`` misses the target. The search stays within
+    [``sigma_min``, ``sigma_max``]; ``sigma_min`` defaults to ``min(1e-4, sigma_max)``.
     """
     try:
         target = float(target_epsilon)
@@ -59,8 +61,11 @@ def calibrate_noise(
     steps = check_steps(steps)
     if not 0 < rtol < 1:
         raise ValueError(f"rtol must lie in (0, 1), got {rtol!r}")
-    sigma_min, sigma_max = float(sigma_min), float(sigma_max)
-    if not 0 < sigma_min <= sigma_max:  # also refuses NaN
+    sigma_max = float(sigma_max)
+    if not sigma_max > 0:  # also refuses NaN
+        raise ValueError(f"sigma_max must be a number > 0, got {sigma_max!r}")
+    sigma_min = min(1e-4, sigma_max) if sigma_min is None else float(sigma_min)
+    if not 0 < sigma_min <= sigma_max:
         raise ValueError(f"need 0 < sigma_min <= sigma_max, got sigma_min={sigma_min!r}, sigma_max={sigma_max!r}")
     make_accountant(accountant)  # validate the name before any work
     if q == 0.0 or steps == 0:

@@ -33,6 +33,8 @@ from typing import Iterable, List, Optional, Sequence, Tuple
 import numpy as np
 from scipy import special
 
+from fastdp.callers import user_stacklevel
+
 from .base import Accountant, HistoryEntry, check_delta, register_accountant
 
 __all__ = [
@@ -119,7 +121,8 @@ def _log_a_fractional(q: float, sigma: float, alpha: float, rel_tol_log: float =
         if start > alpha + 1 and terms.max() < max(scale + rel_tol_log, total - 37.0):
             return float(total)
         if start > 50_000_000:
-            warnings.warn(f"RDP series for alpha={alpha} did not converge; result may be inaccurate")
+            warnings.warn(f"RDP series for alpha={alpha} did not converge; result may be inaccurate",
+                          stacklevel=user_stacklevel())
             return float(total)
         chunk = min(2 * chunk, 1 << 20)
 
@@ -192,7 +195,7 @@ def rdp_to_epsilon(
             f"the optimal Renyi order is the {where} one in the grid (alpha={alphas[best]:g}); "
             "epsilon may be loose, pass a wider `orders` grid",
             OrderGridWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
     return eps_best, float(alphas[best])
 
