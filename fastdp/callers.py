@@ -11,7 +11,8 @@ import sys
 
 import torch
 
-_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(module.__file__)) + os.sep for module in (sys.modules[__package__], torch))
+_LIBRARY_DIRS = tuple(os.path.dirname(os.path.abspath(module.__file__)) + os.sep
+                      for module in (sys.modules[__package__], torch))
 
 
 def user_stacklevel() -> int:

@@ -133,7 +133,8 @@ def load_state_dict(state: Dict[str, Any], *, model: nn.Module, optimizer, data_
     elif data_loader is None and optimizer.loader is not None:
         warnings.warn("the checkpoint holds no loader position: the optimizer's loader goes on from where it "
                       "is, and if it was built with the run's seed it repeats the run's batches (the accountant "
-                      "would count them as fresh); build it with a fresh seed", UserWarning, stacklevel=user_stacklevel())
+                      "would count them as fresh); build it with a fresh seed", UserWarning,
+                      stacklevel=user_stacklevel())
     data_loader = _poisson_loader(data_loader)
     if data_loader is not None:  # refused before anything changes
         data_loader.check_state_dict(state["data_loader"])

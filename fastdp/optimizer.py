@@ -593,7 +593,8 @@ class DPOptimizer(torch.optim.Optimizer):
 
     def _group_param_names(self) -> List[List[str]]:
         """The module's name of each parameter of each group of the wrapped optimizer."""
-        return [[self.engine.names.get(p, "?") for p in group["params"]] for group in self.original_optimizer.param_groups]
+        names = self.engine.names
+        return [[names.get(p, "?") for p in group["params"]] for group in self.original_optimizer.param_groups]
 
     def _check_param_order(self, saved_names: Optional[List[List[str]]], saved: dict) -> None:
         """torch's load gives the saved per-parameter state (momentum, Adam's moments) and each group's

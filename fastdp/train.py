@@ -182,7 +182,8 @@ def train(config: TrainConfig) -> TrainResult:
                                "(the sample rate B/N must be at most 1)")
     if cfg.delta >= 1 / n:
         warnings.warn(f"delta={cfg.delta:g} is not below 1/N = {1 / n:.3g}: a mechanism that publishes one "
-                      "random example outright meets such a delta; use delta << 1/N", UserWarning, stacklevel=user_stacklevel())
+                      "random example outright meets such a delta; use delta << 1/N", UserWarning,
+                      stacklevel=user_stacklevel())
     model = build_model(data.input_shape, data.num_classes, cfg.activation)
     base = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     loader = DataLoader(data.train, batch_size=cfg.batch_size, collate_fn=collate_pairs)
