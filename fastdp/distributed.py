@@ -124,10 +124,27 @@ class DistributedDPOptimizer(DPOptimizer):
         self.process_group = process_group
         self.rank, self.world_size = _rank_world(None, None, process_group)
         super().__init__(optimizer, **kwargs)
-        src = _first_rank(process_group)
+        self._broadcast_state(_first_rank(process_group))
+
+    def _broadcast_state(self, src: int) -> None:
+        """Every rank starts from rank ``src``'s parameters and buffers. gloo sends a tensor's
+        elements from its first one on, ignoring strides: a view with gaps (a column slice) goes
+        through a contiguous copy; one whose elements share memory (``expand``) cannot take
+        another rank's values and is refused."""
+        module = self.engine.module
         with torch.no_grad():
-            for t in list(self.engine.module.parameters()) + list(self.engine.module.buffers()):
-                dist.broadcast(t.data, src=src, group=process_group)
+            for name, t in [*module.named_parameters(), *module.named_buffers()]:
+                data = t.data
+                if data.is_contiguous():
+                    dist.broadcast(data, src=src, group=self.process_group)
+                    continue
+                if torch._debug_has_internal_overlap(data) == 1:
+                    raise ValueError(
+                        f"{name} is an expanded view (several of its elements share memory), which rank 0's values "
+                        "cannot be copied into: register a tensor of its own (.clone()) before building the optimizer")
+                copy = data.contiguous()
+                dist.broadcast(copy, src=src, group=self.process_group)
+                data.copy_(copy)
 
     def attach_accountant(self, accountant, sample_rate: float) -> None:
         """Rank 0 records the steps; the other ranks keep no accountant."""

@@ -152,6 +152,22 @@ def worker(rank, port, out):
         opt.zero_grad()
         opt.step()
         result["after_giving_up"] = opt.steps
+        # 9. buffers that are strided views: gloo wrote rank 0's values as if contiguous, leaving the view
+        # partly unsynchronised and overwriting memory beside it; an expanded one wrote past its memory
+        torch.manual_seed(200 + rank)
+        base = torch.randn(4, 4)
+        model = nn.Linear(4, 4)
+        model.register_buffer("part", base[:, :2])
+        DistributedDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), module=model, noise_multiplier=1.0,
+                               max_grad_norm=C, expected_batch_size=1.0)
+        result["view"] = base.clone()
+        model = nn.Linear(4, 4)
+        model.register_buffer("spread", torch.arange(4.0).expand(2, -1))
+        try:
+            DistributedDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), module=model, noise_multiplier=1.0,
+                                   max_grad_norm=C, expected_batch_size=1.0)
+        except ValueError as exc:
+            result["expanded"] = str(exc)
         torch.save(result, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -295,3 +311,13 @@ def test_a_plain_optimizer_refuses_a_shard_loader():
     shard = distributed_poisson_loader(DataLoader(TensorDataset(x, y), batch_size=2), seed=1, rank=0, world_size=2)
     with pytest.raises(ValueError, match="DistributedDPOptimizer"):
         opt.attach_loader(shard)
+
+
+def test_buffers_that_are_strided_views_are_synchronised_in_place(runs):
+    """Rank 0's values reach the view's elements and nothing beside them (distributed review)."""
+    view0, view1 = runs[0]["view"], runs[1]["view"]
+    assert torch.equal(view1[:, :2], view0[:, :2])
+    torch.manual_seed(201)  # rank 1's own values beside the view stay
+    assert torch.equal(view1[:, 2:], torch.randn(4, 4)[:, 2:])
+    for rank in runs:
+        assert "spread is an expanded view" in rank["expanded"]
