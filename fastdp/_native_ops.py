@@ -42,7 +42,7 @@ def noisy_average(sums: Sequence[torch.Tensor], std: float, divisor: float, seed
     kernel writes over the (contiguous float32) sums: no fresh pages to fault in."""
     ops.check_float32_sums(sums)
     if std == 0:
-        return [s.div_(divisor) if inplace else s / divisor for s in sums]
+        return [s.div_(divisor) if inplace and s.is_contiguous() else s / divisor for s in sums]  # not an expanded one
     srcs = [ops.kernel_operand(s) for s in sums]
     outs = srcs if inplace else [torch.empty_like(s) for s in srcs]
     divide_after = 1.0 / divisor > _FLOAT32_MAX  # the kernel's float32 reciprocal would be Inf

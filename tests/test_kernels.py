@@ -153,6 +153,21 @@ def test_noise_inplace_equals_out_of_place(tri, std):
             assert g.data_ptr() == f.data_ptr(), name  # written in place
 
 
+@pytest.mark.parametrize("std", [0.0, 1.5])
+def test_noise_inplace_leaves_an_expanded_sum_alone(tri, std):
+    """An expanded (stride-0) sum cannot be written in place: native divided it in place at std = 0
+    and raised (native kernel review); the noise path already worked on a copy."""
+    impls = {"reference": ops.noisy_average_ref, "native": native.noisy_average,
+             "triton": tri["noise"].noisy_average_triton}
+    for name, impl in impls.items():
+        device = TRITON_DEVICE if name == "triton" else "cpu"
+        s = torch.ones(1, 8, device=device).expand(4, 8)
+        (got,) = impl([s], std, 2.0, 1, inplace=True)
+        (want,) = impl([s.contiguous()], std, 2.0, 1)
+        assert torch.equal(got.cpu(), want.cpu()), name
+        assert torch.equal(s.cpu(), torch.ones(4, 8)), name
+
+
 def test_native_noise_shapes_and_layouts():
     """Non-contiguous and n-d tensors are handled; std=0 is the plain average."""
     s = torch.randn(6, 5).t()
