@@ -139,14 +139,21 @@ KERNEL_FLOATS = (torch.float32, torch.float64)  # what the C++ and CUDA kernels 
 
 FLOAT32_NORMAL_RANGE = (1.1754943508222875e-38, 3.4028234663852886e38)
 
+# The largest |z| a backend draws: the reference's inverse normal CDF at 2^-53 is 8.21, the kernels'
+# Box-Muller reaches 7.35. Noise on a float32 sum, s + std z, is formed before the division, so it
+# stays finite only while std is at most float32's max over this.
+NORMAL_DRAW_MAX = 8.25
+FLOAT32_NOISE_STD_MAX = FLOAT32_NORMAL_RANGE[1] / NORMAL_DRAW_MAX
+
 
 def check_float32_noise_scalars(std: float, divisor: float) -> None:
     """The GPU noise kernels take ``std`` and ``divisor`` as float32: refuse values float32 would
     turn into 0 or Inf (or hold with lost precision), instead of releasing Inf or unscaled sums."""
     low, high = FLOAT32_NORMAL_RANGE
-    if not (low <= divisor <= high and std <= high):
+    if not (low <= divisor <= high and std <= FLOAT32_NOISE_STD_MAX):
         raise ValueError(f"noise std {std!r} or divisor {divisor!r} is outside float32's normal range "
-                         f"[{low:.3g}, {high:.3g}], which the GPU noise kernels take them in")
+                         f"[{low:.3g}, {high:.3g}] (std at most {FLOAT32_NOISE_STD_MAX:.3g}, where std z stays "
+                         "finite), which the GPU noise kernels take them in")
 
 
 def check_float32_sums(sums: Sequence[torch.Tensor]) -> None:
@@ -295,11 +302,14 @@ def noisy_average_ref(
     out = []
     for s in sums:
         write = inplace and s.is_contiguous()  # not into an expanded tensor, whose elements share memory
+        wide = s if s.dtype in KERNEL_FLOATS else s.float()  # 16-bit sums in float32, as the kernels
+        write = write and wide is s
         if std > 0:
-            z = torch.special.ndtri(_uniform53(s.shape, low, high, s.device)).to(s.dtype)
-            out.append((s.add_(z, alpha=std) if write else s.add(z, alpha=std)).div_(divisor))
+            z = torch.special.ndtri(_uniform53(s.shape, low, high, s.device)).to(wide.dtype)
+            noisy = (wide.add_(z, alpha=std) if write else wide.add(z, alpha=std)).div_(divisor)
         else:
-            out.append(s.div_(divisor) if write else s / divisor)
+            noisy = wide.div_(divisor) if write else wide / divisor
+        out.append(noisy if wide is s else (s.copy_(noisy) if inplace and s.is_contiguous() else noisy.to(s.dtype)))
     return out
 
 
@@ -414,6 +424,10 @@ def noisy_average(
         raise ValueError(f"noise std must be a finite number >= 0, got {std!r}")
     if not (divisor > 0 and math.isfinite(divisor)):
         raise ValueError(f"the noisy sum's divisor must be a finite number > 0, got {divisor!r}")
+    if std > FLOAT32_NOISE_STD_MAX and any(s.dtype != torch.float64 for s in sums):
+        raise ValueError(f"noise std {std:.3g} is above {FLOAT32_NOISE_STD_MAX:.3g}: s + std z would overflow "
+                         "float32 (the noise of non-float64 sums is formed in float32) before the division; "
+                         "pass float64 sums or a smaller std")
     if not sums:
         return []
     name, run = implementation("noisy_average", sums[0].device)

@@ -482,12 +482,39 @@ def test_noisy_average_refuses_a_negative_or_nan_std_and_a_nonpositive_divisor(u
     assert torch.equal(sums[0], torch.zeros(4))
 
 
+@pytest.mark.parametrize("backend", ["reference", "native"])
+def test_noisy_average_refuses_a_std_whose_draws_overflow_float32(use_backend, backend):
+    """s + std z is formed in float32 before the division: std 1e38 (a divisor of 1e6 bringing each
+    coordinate back in range) gave Inf entries on every backend (Triton review). Refused for non-float64
+    sums, with nothing written; float64 sums take it."""
+    use_backend(backend)
+    sums = [torch.zeros(20000)]
+    with pytest.raises(ValueError, match="overflow float32"):
+        ops.noisy_average(sums, ops.FLOAT32_NOISE_STD_MAX * 1.01, 1e6, seed=1, inplace=True)
+    assert torch.equal(sums[0], torch.zeros(20000))
+    out = ops.noisy_average(sums, ops.FLOAT32_NOISE_STD_MAX, 1e6, seed=1)[0]
+    assert torch.isfinite(out).all() and out.abs().max() > 1e30
+    assert torch.isfinite(ops.noisy_average([torch.zeros(20000, dtype=torch.float64)], 1e38, 1e6, seed=1)[0]).all()
+
+
+@pytest.mark.parametrize("backend", ["reference", "native"])
+def test_noisy_average_forms_half_precision_noise_in_float32(use_backend, backend):
+    """A std above float16's 65504 with a divisor bringing it back in range: the kernels form the
+    noise in float32; the reference rounded std to float16 and raised (Triton review follow-up)."""
+    use_backend(backend)
+    for inplace in (False, True):
+        s = torch.zeros(4096, dtype=torch.float16)
+        out = ops.noisy_average([s], 1e5, 1e3, seed=3, inplace=inplace)[0]
+        assert out.dtype == torch.float16 and torch.isfinite(out).all()
+        assert 80 < float(out.float().std()) < 120  # std 1e5 / 1e3
+
+
 def test_gpu_noise_wrappers_refuse_scalars_float32_cannot_hold():
     """The Triton and CUDA noise kernels take std and divisor as float32: a divisor below
     1.4e-45 became 0 there (Inf gradients), a std above 3.4e38 Inf."""
     pytest.importorskip("triton")
     from kernels import dispatch
-    for std, divisor in [(1.0, 1e-40), (1e39, 1.0), (1.0, 1e39)]:
+    for std, divisor in [(1.0, 1e-40), (1e39, 1.0), (1e38, 1e6), (1.0, 1e39)]:
         with pytest.raises(ValueError, match="float32's normal range"):
             dispatch._noisy_average([torch.zeros(4)], std, divisor, seed=1)
         with pytest.raises(ValueError, match="float32's normal range"):
