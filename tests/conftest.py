@@ -1,6 +1,16 @@
 import pytest
 import torch
 
+import fastdp.data
+
+
+@pytest.fixture(autouse=True)
+def fresh_process_ledger(monkeypatch):
+    """Each test runs as if in a process of its own: the batches earlier tests' steps released
+    (``fastdp.data._BATCHES_RELEASED``) would otherwise warn of a replay in every later test
+    that reuses their loader seed, hiding the warnings a test should see."""
+    monkeypatch.setattr(fastdp.data, "_BATCHES_RELEASED", {})
+
 
 @pytest.fixture
 def float64():

@@ -322,15 +322,13 @@ def test_a_loader_attached_between_backward_and_step_is_refused(empty):
         opt.attach_loader(small)
 
 
-def test_a_loader_that_replays_released_batches_warns(monkeypatch):
+def test_a_loader_that_replays_released_batches_warns():
     """A loader built again with an earlier one's seed (make_private(seed=42) after detach(), or a new
     batch size between epochs) drew the same batches, the accountant counting them as fresh Poisson
     draws (adversarial review: 2 x 435 demo steps accounted as epsilon 2.99 for 3.60 spent). It warns
     at the first batch an earlier step released; a batch drawn ahead and never stepped on (workers, a
-    checkpoint taken before the step) is no replay (regression review)."""
-    import fastdp.data
-
-    monkeypatch.setattr(fastdp.data, "_BATCHES_RELEASED", {})
+    checkpoint taken before the step) is no replay (regression review). Earlier tests' batches are
+    forgotten (conftest's fresh_process_ledger)."""
     ds = TensorDataset(torch.randn(64, 3), torch.randint(0, 2, (64,)))
     model = nn.Linear(3, 2)
 
