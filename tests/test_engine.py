@@ -293,6 +293,33 @@ def test_noise_std_is_sigma_c_over_expected_batch_size():
     assert lo * expected**2 < sample_var < hi * expected**2
     assert abs(draws.mean().item()) < 6 * expected / math.sqrt(n)
     assert stats.kstest((draws.flatten() / expected).numpy(), "norm").pvalue > 1e-4
+    # each parameter on its own: the bias is 50 of the 10,050 coordinates, so one left without noise
+    # hid inside the pooled checks (mutation review)
+    weight, bias = draws[:, :-50], draws[:, -50:]
+    for part in (weight, bias):
+        lo, hi = stats.chi2.ppf([1e-6, 1 - 1e-6], part.numel() - 1) / (part.numel() - 1)
+        assert lo * expected**2 < part.var().item() < hi * expected**2
+
+
+def test_per_layer_noise_std_is_sigma_times_the_root_sum_square_of_the_bounds():
+    """Per-layer clipping with bounds C_p: a sample moves the sum by at most sqrt(sum C_p^2), so that
+    is the noise's sensitivity (mutation review: the largest bound alone went unnoticed)."""
+    from scipy import stats
+
+    model = nn.Linear(300, 40)
+    bounds = [0.3, 1.2]
+    opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), module=model, noise_multiplier=2.0,
+                             max_grad_norm=bounds, clipping="per_layer", expected_batch_size=4, seed=5)
+    assert opt.noise_std == pytest.approx(2.0 * math.hypot(*bounds), rel=1e-15)
+    draws = []
+    for _ in range(3):
+        opt.zero_grad()
+        opt.step()  # an empty batch: noise only
+        draws.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    draws = torch.cat(draws)
+    expected = 2.0 * math.hypot(*bounds) / 4
+    lo, hi = stats.chi2.ppf([1e-6, 1 - 1e-6], draws.numel() - 1) / (draws.numel() - 1)
+    assert lo * expected**2 < draws.var().item() < hi * expected**2
 
 
 def test_noise_is_fresh_every_step_and_reproducible_with_seed():

@@ -896,6 +896,44 @@ def test_a_float64_sample_whose_gram_terms_cancel_is_clipped(kind, monkeypatch):
     assert opt.engine.summed[layer.weight].norm() <= bound * (1 + 1e-9)
 
 
+@pytest.mark.parametrize("dims,kernel,stride,dilation,groups", [
+    (1, 3, 1, 1, 1), (2, 3, 2, 1, 1), (2, (3, 2), 1, 2, 2), (1, 5, 2, 2, 4)])
+def test_the_convolution_rounding_allowance_bounds_the_sum_over_patches(dims, kernel, stride, dilation, groups,
+                                                                       monkeypatch):
+    """The clipped sum's rounding is bounded through S_i >= sum_t |a_t| |g_t| over the patches a_t; the
+    rule takes sqrt(prod(kernel)) |x_i| |g_i|. Dropping that factor passed every test, whose cancelling
+    convolutions all had kernel 1 (mutation review: S fell to 0.61 of the sum at kernel 3)."""
+    import torch.nn.functional as F
+
+    import fastdp.layers.conv as conv
+    monkeypatch.setattr(conv, "AUTOTUNE", False)
+    monkeypatch.setattr(conv, "route_costs", lambda t, d, p: (0, 1))  # ghost: both allowances take S
+    seen = []
+    slack_of = conv.ConvRule._slack
+    monkeypatch.setattr(conv.ConvRule, "_slack", lambda self, rec: seen.append(
+        (rec.activation[0], rec.activation[1], rec.grad_output, slack_of(self, rec))) or seen[-1][-1])
+    torch.manual_seed(0)
+    cls = nn.Conv1d if dims == 1 else nn.Conv2d
+    layer = cls(4, 8, kernel, stride=stride, dilation=dilation, groups=groups, padding=1, bias=False).double()
+    x = torch.randn(3, 4, *([11] * dims), dtype=torch.float64)
+    opt = fastdp.DPOptimizer(torch.optim.SGD(layer.parameters(), lr=0.0), module=layer, noise_multiplier=0.0,
+                             max_grad_norm=1.0, expected_batch_size=3, loss_reduction="sum")
+    out = layer(x)
+    (out * torch.randn_like(out)).sum().backward()
+    xr, spec, g, slack = seen[0]
+    if dims == 1:  # as a 2-D convolution of height 1
+        xr, g = xr.unsqueeze(2), g.unsqueeze(2)
+        pad, st, dil, ker = (0, *spec.padding), (1, *spec.stride), (1, *spec.dilation), (1, *spec.kernel)
+    else:
+        pad, st, dil, ker = spec.padding, spec.stride, spec.dilation, spec.kernel
+    patches = F.unfold(xr, ker, dilation=dil, padding=pad, stride=st)  # (B, C_in k, T)
+    patches = patches.view(3, groups, -1, patches.shape[-1])
+    grads = g.flatten(2).view(3, groups, -1, patches.shape[-1])
+    exact = (patches.norm(dim=2) * grads.norm(dim=2)).sum((1, 2))
+    assert (slack >= exact * (1 - 1e-12)).all(), (slack / exact).tolist()
+    opt.detach()
+
+
 def test_the_rounding_allowance_takes_tf32_inputs_rounding():
     """TF32 contractions (CUDA, allowed by default for cuDNN convolutions) round float32 inputs to 10
     mantissa bits: an allowance for float32's 2^-24 would not cover a cancelling sample there."""
