@@ -226,44 +226,54 @@ class GradSampleEngine:
         """A layer's calls in one pass are combined sample by sample (by index), so each call must
         see the same samples: refuse one whose input covers other rows of the same tensor than an
         earlier call's (a batch sent through the model in chunks inside one backward would have
-        sample i of each chunk clipped together). On the loader's own tensors, whose dim 0 is the
-        samples, each row of ``x`` must also lie in one sample, a different one per row."""
+        sample i of each chunk clipped together). On the loader's own tensors, where the samples
+        are known (:class:`fastdp.layout.SampleLayout`), each row must also be one sample, and
+        every layer must see the same ones."""
         base = x if x._base is None else x._base
-        if x.dim() == 0 or base.dim() == 0 or base.stride(0) <= 0:
+        if x.dim() == 0 or base.dim() == 0:
             return
-        loader_batch = self.ledger is not None and self.ledger.is_batch_tensor(base)
-        span = sum((n - 1) * abs(st) for n, st in zip(x.shape[1:], x.stride()[1:]))
-        if loader_batch:
-            offset = x.storage_offset() - base.storage_offset()
-            if offset % base.stride(0) + span >= base.stride(0) or (
-                    x.shape[0] > 1 and (x.stride(0) == 0 or x.stride(0) % base.stride(0))):
+        layout = self.ledger.sample_layout(base) if self.ledger is not None else None
+        if layout is not None:
+            rows = layout.rows_of(x)
+            if rows is None:
                 raise UnsupportedModuleError(
-                    f"layer {self._module_name(module)} got a view of the loader's batch {tuple(base.shape)} whose rows "
-                    f"(dim 0 of {tuple(x.shape)}) are not one sample each: one sample without its batch dimension "
-                    "(x[i]), a batch flattened into rows or moved off dim 0 (x.view(-1, d), x.transpose(0, 1)), or "
-                    "one sample repeated (expand). fastdp clips each row of dim 0 as one sample, so one sample's "
-                    "parts would each be clipped to C; keep the samples on dim 0 (x[i:i + 1] or x[i].unsqueeze(0) "
-                    "for one sample; (B, T, ...) layouts for sequences)")
-        elif x.shape[0] == 1:
-            return  # one row: its strides cannot tell the base's dim 0 from another of size 1
-        elif x.stride(0) % base.stride(0) or x.stride(0) == 0 or x.shape == base.shape[1:] or span >= base.stride(0):
+                    f"layer {self._module_name(module)} got rows (dim 0 of {tuple(x.shape)}) of the loader's batch that "
+                    "are not one sample each: one sample without its batch dimension (x[i]), a batch flattened into "
+                    "rows or moved off dim 0 (x.view(-1, d), x.transpose(0, 1)), or one sample repeated (expand). "
+                    "fastdp clips each row of dim 0 as one sample, so one sample's parts would each be clipped to C; "
+                    "keep the samples on dim 0 (x[i:i + 1] or x[i].unsqueeze(0) for one sample; (B, T, ...) layouts "
+                    "for sequences)")
+            key = id(base)  # every layer: row i is sample i of the pass
+        else:
+            rows = self._rows_of_other(x, base)
+            if rows is None:
+                return
+            key = (id(module), id(base))
+        if self._pass_rows.setdefault(key, rows) != rows:
+            raise UnsupportedModuleError(
+                f"layer {self._module_name(module)} saw other samples of one batch tensor than an earlier layer call "
+                "in this backward pass (a batch sent through the model in chunks, then one backward; or shifted "
+                "slices, x[1:] and x[:-1], in two layers): fastdp combines the calls sample by sample, so sample i "
+                "of each would be clipped together; call backward() on each chunk's loss (or pass the batch "
+                "whole). " + _CONCATENATED_VIEWS + ". A loop over time steps of a (B*T, d) tensor viewed as "
+                "(B, T, d), y[:, t], looks the same: if every call does see each sample once, in order, give each "
+                "step's input its own tensor (y[:, t].contiguous())")
+        if layout is not None:
+            self._note_samples(base, rows)
+
+    @staticmethod
+    def _rows_of_other(x: torch.Tensor, base: torch.Tensor) -> Optional[tuple]:
+        """For a tensor not from the loader, the rows of ``base`` that the rows of ``x`` are, where
+        ``x`` is a block of whole rows of it; else None (no sample correspondence to check)."""
+        if x.shape[0] == 1 or base.stride(0) <= 0:
+            return None  # one row: its strides cannot tell the base's dim 0 from another of size 1
+        span = sum((n - 1) * abs(st) for n, st in zip(x.shape[1:], x.stride()[1:]))
+        if x.stride(0) % base.stride(0) or x.stride(0) == 0 or x.shape == base.shape[1:] or span >= base.stride(0):
             # not row blocks of the base: broadcast (stride 0), one element of its dim 0 (base[t], e.g.
             # outputs stacked time-first), or rows spanning several of its rows (a token stream viewed
             # as (B, T)): no sample correspondence to check
-            return
-        start = (x.storage_offset() - base.storage_offset()) // base.stride(0)
-        rows = (start, max(1, x.stride(0) // base.stride(0)), x.shape[0])  # one row: any stride
-        if self._pass_rows.setdefault((id(module), id(base)), rows) != rows:
-            raise UnsupportedModuleError(
-                f"layer {self._module_name(module)} saw different samples of one batch tensor in two calls of "
-                "one backward pass (a batch sent through the model in chunks, then one backward): fastdp "
-                "combines a layer's calls sample by sample, so sample i of each chunk would be clipped "
-                "together; call backward() on each chunk's loss (or pass the batch whole). " + _CONCATENATED_VIEWS
-                + ". A loop over time steps of a (B*T, d) tensor viewed as (B, T, d), "
-                "y[:, t], looks the same: if every call does see each sample once, in order, give each step's "
-                "input its own tensor (y[:, t].contiguous())")
-        if loader_batch:
-            self._note_samples(base, rows)
+            return None
+        return (x.storage_offset() - base.storage_offset()) // base.stride(0), x.stride(0) // base.stride(0), x.shape[0]
 
     def _note_samples(self, batch: torch.Tensor, rows: tuple) -> None:
         """Keep the rows of the loader's ``batch`` a layer call saw: ``_check_samples_once`` compares

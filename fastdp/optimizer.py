@@ -515,7 +515,9 @@ class DPOptimizer(torch.optim.Optimizer):
         noise). ``step()`` checks this before the step is counted; call it to fail before training."""
         std = _noise_std(self.noise_multiplier, self.clipping)
         spread = 64.0 * std / self.expected_batch_size  # 64 std
-        if spread <= _SMALLEST_FLOAT_MAX and (std == 0 or _FLOAT32_TINY <= std <= ops.FLOAT32_NOISE_STD_MAX):
+        # secure mode forms the noise in float64 and rounds it once: only the kernels' float32 std z can overflow
+        highest = _FLOAT32_MAX if self.secure_mode else ops.FLOAT32_NOISE_STD_MAX
+        if spread <= _SMALLEST_FLOAT_MAX and (std == 0 or _FLOAT32_TINY <= std <= highest):
             return  # fits every floating dtype: no pass over the parameters each step
         for dtype in {p.dtype for p in self.engine.params if p.requires_grad}:
             if spread > torch.finfo(dtype).max:
@@ -523,12 +525,12 @@ class DPOptimizer(torch.optim.Optimizer):
                     f"the noise on the {dtype} parameters (std {spread / 64:.3g} per coordinate: noise_multiplier "
                     "times the clipping sensitivity over expected_batch_size) would overflow their dtype: lower "
                     "max_grad_norm (or noise_multiplier), or train in a wider dtype")
-            if dtype != torch.float64 and std > 0 and not _FLOAT32_TINY <= std <= ops.FLOAT32_NOISE_STD_MAX:
+            if dtype != torch.float64 and std > 0 and not _FLOAT32_TINY <= std <= highest:
                 raise ValueError(
                     f"the noise std on the sum, {std:.3g} (noise_multiplier times the clipping sensitivity), is "
                     f"outside float32's normal range, in which the {dtype} parameters' noise is formed (std at "
-                    f"most {ops.FLOAT32_NOISE_STD_MAX:.3g}, where std z stays finite): it would become Inf or 0 "
-                    "(no noise); change max_grad_norm or noise_multiplier, or train in float64")
+                    f"most {highest:.3g}, where std z stays finite): it would become Inf or 0 (no noise); change "
+                    "max_grad_norm or noise_multiplier, or train in float64")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the wrapped optimizer's gradients and drop clipped sums not yet stepped (kept
@@ -701,7 +703,7 @@ class DPOptimizer(torch.optim.Optimizer):
 
 
 _SMALLEST_FLOAT_MAX = float(torch.finfo(torch.float16).max)  # the smallest of the dtypes parameters train in
-_FLOAT32_TINY = ops.FLOAT32_NORMAL_RANGE[0]
+_FLOAT32_TINY, _FLOAT32_MAX = ops.FLOAT32_NORMAL_RANGE
 
 
 def _noise_std(sigma: float, clipping) -> float:
