@@ -219,6 +219,7 @@ def test_loops_left_after_a_step_go_on_and_chunks_of_a_left_batch_are_dropped():
     assert opt.steps == opt.accountant.steps == 5
 
 
+@pytest.mark.filterwarnings("ignore:batch .* released by an earlier step:UserWarning")  # runs it twice on purpose
 def test_batches_fetched_ahead_or_skipped_are_refused():
     """Tagging passes at backward time let fetched-ahead accumulation and skipped (empty) batches
     through (review): the loader's count of batches handed out since the last step is checked."""
@@ -389,6 +390,7 @@ class _FailsOnce:
         return self.call(*args, **kwargs)
 
 
+@pytest.mark.filterwarnings("ignore:batch .* released by an earlier step:UserWarning")  # runs it twice on purpose
 @pytest.mark.parametrize("where", ["accountant", "wrapped optimizer"])
 def test_a_step_that_failed_after_its_batch_was_closed_can_be_retried(where):
     """A step raising after the loader's count closed it (the accountant, the wrapped optimizer) was
@@ -675,6 +677,7 @@ def test_fixed_size_batches_calibrate_for_the_loader_s_steps():
     assert opt.steps == 15 and opt.epsilon(1e-5) <= 2.0
 
 
+@pytest.mark.filterwarnings("ignore:batch .* released by an earlier step:UserWarning")  # runs it twice on purpose
 def test_samples_are_counted_from_the_sampler_not_from_the_tensors():
     """The rows check counted a batch's samples as its tensors' largest dim 0: a time-first
     collate (T, B) was refused whenever T < B, and a packed 1-D token tensor passed as one

@@ -66,6 +66,7 @@ def test_digits_smoke_run(tmp_path):
     _check_privacy(m, 3.0)
 
 
+@pytest.mark.filterwarnings("ignore:batch .* released by an earlier step:UserWarning")  # runs it twice on purpose
 def test_noise_and_batches_are_secret_unless_a_dp_seed_is_given(tmp_path, capsys, monkeypatch):
     """A known seed gives away the noise and the batches: by default make_private gets no seed
     (OS entropy); --dp-seed (reproducible experiments) is passed on, with a warning. --seed
