@@ -549,10 +549,18 @@ def _backend_label(row: dict) -> str:
     return ", ".join(f"{op}:{b}" for op, b in sorted(ops_used.items()))
 
 
+def _ratio_base(method: str) -> str:
+    """The step a method's ratios are to: the non-private step in the same precision (bf16 autocast
+    against bf16, so that bf16 DP is not credited with bf16's own speed), bf16-nonprivate itself
+    against the float32 non-private step."""
+    return "bf16-nonprivate" if method.startswith("bf16-") and method != "bf16-nonprivate" else "nonprivate"
+
+
 def _add_ratios(rows: List[dict]) -> None:
-    base = {r["config"]: r for r in rows if r["method"] == "nonprivate" and r["status"] == "ok"}
+    base = {(r["config"], r["method"]): r for r in rows
+            if r["method"] in ("nonprivate", "bf16-nonprivate") and r["status"] == "ok"}
     for r in rows:
-        b = base.get(r["config"])
+        b = base.get((r["config"], _ratio_base(r["method"])))
         if r.get("step_ms") is None or b is None:
             continue
         r["time_ratio"] = r["step_ms"] / b["step_ms"]
@@ -571,8 +579,8 @@ def markdown(rows: List[dict], meta: dict) -> str:
         f"Date: {meta['date']}; torch {meta['torch']}, {meta['device_name']}, {meta['threads']} threads, "
         f"load average before the run {meta['load_average_before']}.  ",
         f"Time: median per-step {_CLOCKS[meta['clock']]} after warm-up; ratio to the non-private step of the "
-        "same config.  ",
-        f"Memory: {meta['memory_method']}; ratio to the non-private step.  ",
+        "same config (bf16 methods: to bf16-nonprivate; bf16-nonprivate: to the float32 step).  ",
+        f"Memory: {meta['memory_method']}; ratio to the same non-private step.  ",
         "Allocator: every method's process keeps freed memory for reuse (`fastdp.keep_freed_memory`).",
         "",
         "| config | method | backend (ops used) | step ms | × non-private | peak extra MiB | × non-private "

@@ -8,7 +8,7 @@ import torch
 from fastdp.cli import main
 
 CONFIGS = ("mlp", "wide-linear")
-METHODS = ("nonprivate", "fastdp-reference", "loop", "bf16-fastdp", "ddp2-fastdp")
+METHODS = ("nonprivate", "fastdp-reference", "loop", "bf16-nonprivate", "bf16-fastdp", "ddp2-fastdp")
 
 
 def test_bench_quick_json(tmp_path, capsys):
@@ -28,6 +28,9 @@ def test_bench_quick_json(tmp_path, capsys):
             assert math.isfinite(r[ratio]) and r[ratio] > 0, (key, ratio, r[ratio])
         if key[1] == "nonprivate":
             assert r["time_ratio"] == 1.0 and r["mem_ratio"] == 1.0
+        if key[1] == "bf16-fastdp":  # against the bf16 non-private step, not the float32 one (bench audit)
+            bf16 = rows[(key[0], "bf16-nonprivate")]
+            assert r["time_ratio"] == r["step_ms"] / bf16["step_ms"] and r["mem_ratio"] == r["peak_mb"] / bf16["peak_mb"]
     assert rows[("wide-linear", "fastdp-reference")]["ops"]["linear_sq_norms_ghost"] == "reference"
     assert "| wide-linear | loop |" in md.read_text()
     assert "| mlp | fastdp-reference |" in capsys.readouterr().out
