@@ -32,7 +32,7 @@ from torch.utils.data._utils.collate import default_collate
 from fastdp.accounting.base import check_sample_rate
 from fastdp.callers import user_stacklevel
 from fastdp.identity import TensorMap
-from fastdp.layout import SampleLayout, disagree
+from fastdp.layout import SampleLayout
 from fastdp.secure import os_entropy
 
 
@@ -244,7 +244,7 @@ class BatchLedger:
         self.taken = self.stepped_at = taken
         self.closed_once = False  # a step (or a refused one) has closed the count since
         self.handed = TensorMap()  # tensor -> batch number
-        self.layouts = TensorMap()  # root tensor of the last handed-out tensors -> SampleLayout (None: unknown)
+        self.layouts = TensorMap()  # root tensor of handed-out tensors -> SampleLayout of the last batch on it
         self.last_chunk: Optional[int] = None  # samples in the batch (or chunk) handed out last
         self.batch_samples: Optional[int] = 0  # samples of the batch taken last, over its chunks (None: unknown)
 
@@ -271,16 +271,15 @@ class BatchLedger:
         as ``_base``)."""
         self.last_chunk = size
         self.batch_samples = None if size is None or self.batch_samples is None else self.batch_samples + size
-        layouts = TensorMap()
+        by_root = TensorMap()  # root -> the tensors of this batch (or chunk) on its memory
         for t in _tensors_in(batch):
             for u in (t, t._base):
                 if u is not None:
                     self.handed[u] = self.taken
             if t.dim():
-                root = t if t._base is None else t._base
-                layout = SampleLayout(t, root)
-                layouts[root] = None if root in layouts and disagree(layouts.get(root), layout) else layout
-        self.layouts.update(layouts)
+                by_root.setdefault(t if t._base is None else t._base, []).append(t)
+        for root, tensors in by_root.items():
+            self.layouts[root] = SampleLayout(root, tensors)
 
     def traced_batches(self, tensors: Iterable[torch.Tensor]) -> set:
         """The batches of the handed-out tensors among ``tensors`` (the inputs a backward pass's
@@ -293,8 +292,7 @@ class BatchLedger:
         return traced or {self.taken}
 
     def sample_layout(self, root: torch.Tensor) -> Optional[SampleLayout]:
-        """Where the samples lie in ``root``'s memory, if it is (the base of) a tensor the loader handed
-        out last, and its handed-out views agree on it."""
+        """Where the samples lie in ``root``'s memory, if it is (the base of) a tensor the loader handed out."""
         return self.layouts.get(root)
 
     def samples_in_pass(self, batches: set) -> Optional[int]:

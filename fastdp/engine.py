@@ -32,6 +32,7 @@ from torch.nn.utils import parametrize
 from fastdp import ops
 from fastdp.callers import user_stacklevel
 from fastdp.identity import TensorMap
+from fastdp.layout import UNKNOWN
 from fastdp.layers import Record, Tap, UnsupportedModuleError, rule_for
 from fastdp.layers.base import weighted_sum, zeroed_samples
 from fastdp.ops import compute_dtype, sample_sq_norms
@@ -233,8 +234,9 @@ class GradSampleEngine:
         if x.dim() == 0 or base.dim() == 0:
             return
         layout = self.ledger.sample_layout(base) if self.ledger is not None else None
-        if layout is not None:
-            rows = layout.rows_of(x)
+        rows = layout.rows_of(x) if layout is not None else UNKNOWN
+        of_loader = rows is not UNKNOWN
+        if of_loader:
             if rows is None:
                 raise UnsupportedModuleError(
                     f"layer {self._module_name(module)} got rows (dim 0 of {tuple(x.shape)}) of the loader's batch that "
@@ -258,7 +260,7 @@ class GradSampleEngine:
                 "whole). " + _CONCATENATED_VIEWS + ". A loop over time steps of a (B*T, d) tensor viewed as "
                 "(B, T, d), y[:, t], looks the same: if every call does see each sample once, in order, give each "
                 "step's input its own tensor (y[:, t].contiguous())")
-        if layout is not None:
+        if of_loader:
             self._note_samples(base, rows)
 
     @staticmethod

@@ -1,23 +1,30 @@
 """Which sample of a handed-out batch each part of its memory holds.
 
-fastdp clips each row of a layer input's dim 0 as one sample. Where that input is a view of a
-tensor the loader handed out, :class:`SampleLayout` tells whether each of its rows lies in one
-sample, a different one per row, and which: ``(start, step, count)``, row ``i`` holding sample
-``start + i * step``. Two kinds of memory:
+fastdp clips each row of a layer input's dim 0 as one sample. Where that input is a view of
+the tensors the loader handed out, :class:`SampleLayout` tells whether each of its rows lies in
+one sample, a different one per row, and which: ``(start, step, count)``, row ``i`` holding
+sample ``start + i * step``, sample ``i`` being row ``i`` of every handed tensor on that memory.
+Two ways of telling:
 
-* sample-major: the handed tensor's dim 0 is its root tensor's, each sample's elements within
-  one stride of dim 0 (a stacked batch and every slice or reshape of it). Byte arithmetic on
-  offsets and strides, so views that change the dtype (``view_as_real``) are measured alike.
-* interleaved: the samples' elements alternate in memory (a collate returning a transposed
-  tensor, ``pad_sequence(b).t()``, or a column-major array). A label per element, made once.
+* one handed tensor whose samples are whole strides of its root's dim 0 (a stacked batch): byte
+  arithmetic on offsets and strides, so views that change the dtype are measured alike;
+* otherwise (a collate returning a transposed tensor, ``pad_sequence(b).t()``, a column-major
+  array, or several views of one buffer): a label per element of the root, written through each
+  handed tensor's strides; an element two samples claim (an expanded tensor) is unknown.
+
+A view that reaches memory no handed tensor labels, or an unknown element, is :data:`UNKNOWN`:
+the engine then checks it as any other tensor.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import math
+from typing import List, Optional, Tuple, Union
 
 import torch
 
 Rows = Tuple[int, int, int]  # (start, step, count): row i holds sample start + i * step
+UNKNOWN = "unknown"  # rows_of: the memory does not tell
+_FREE, _SHARED = -1, -2  # labels of memory no handed tensor covers, and of memory two samples claim
 
 
 def _reach(t: torch.Tensor, dims: slice = slice(1, None)) -> int:
@@ -28,77 +35,101 @@ def _reach(t: torch.Tensor, dims: slice = slice(1, None)) -> int:
     return (sum((n - 1) * abs(s) for n, s in zip(shape, strides)) + 1) * t.element_size()
 
 
+def _strided(t: torch.Tensor) -> bool:
+    return t.layout == torch.strided and not t.is_nested and t.dim() > 0
+
+
+def _arithmetic(first: torch.Tensor) -> Optional[Rows]:
+    """``(start, step, count)`` of sample indices that step up evenly, else None."""
+    count = first.numel()
+    start = int(first[0])
+    step = int(first[1] - first[0]) if count > 1 else 1
+    if step <= 0 or not torch.equal(first, start + step * torch.arange(count, device=first.device)):
+        return None
+    return start, step, count
+
+
 class SampleLayout:
-    """The samples of ``handed`` (a tensor the loader handed out, dim 0 the samples) in the memory of
-    ``root`` (``handed`` itself, or the tensor it is a view of)."""
+    """The samples of the tensors ``handed`` (handed out together, dim 0 the samples) in the memory of
+    their common ``root`` (the tensor they are, or are views of)."""
 
-    def __init__(self, handed: torch.Tensor, root: torch.Tensor):
-        size = handed.element_size()
-        self._root_offset = root.storage_offset() * root.element_size()
-        self._cell = root.stride(0) * root.element_size() if root.dim() else 0  # bytes from a sample to the next
-        shifted = handed.storage_offset() * size - self._root_offset
-        self.sample_major = (self._cell > 0 and _reach(root) <= self._cell and handed.dim() > 0
-                             and (handed.shape[0] <= 1 or handed.stride(0) * size == self._cell)
-                             and shifted % self._cell + _reach(handed) <= self._cell)
-        # interleaved: the handed tensor's geometry (in its elements) and the index of its first sample
-        self._geometry = (tuple(handed.shape), handed.stride(), handed.storage_offset(), size, handed.device)
-        self._first = shifted // (handed.stride(0) * size) if handed.dim() and handed.stride(0) > 0 else 0
-        self._labels: Optional[torch.Tensor] = None  # made at the first interleaved query
+    def __init__(self, root: torch.Tensor, handed: List[torch.Tensor]):
+        self._known = _strided(root) and all(_strided(t) and t.element_size() == root.element_size() for t in handed)
+        self._size = root.element_size()
+        self._handed = [(tuple(t.shape), t.stride(), t.storage_offset()) for t in handed] if self._known else []
+        self._cell = 0  # bytes from a sample to the next where byte arithmetic tells (one sample-major tensor)
+        if self._known and len(handed) == 1:
+            (t,) = handed
+            cell = root.stride(0) * self._size
+            first_row, within = divmod((t.storage_offset() - root.storage_offset()) * self._size, cell) if cell > 0 \
+                else (0, 0)
+            if cell > 0 and _reach(root) <= cell and (t.shape[0] <= 1 or t.stride(0) * self._size == cell) \
+                    and within + _reach(t) <= cell:
+                self._cell, self._origin = cell, (root.storage_offset() + first_row * root.stride(0)) * self._size
+                self._samples = t.shape[0]
+        self._labels: Optional[torch.Tensor] = None  # made at the first query that needs them
+        self._device = root.device
 
-    def rows_of(self, x: torch.Tensor) -> Optional[Rows]:
-        """The samples of the rows of ``x`` (a view of the root's memory, ``x.dim() > 0``), or None
-        where a row reaches into two samples or two rows into one."""
-        return self._rows_by_offset(x) if self.sample_major else self._rows_by_label(x)
+    def rows_of(self, x: torch.Tensor) -> Union[Rows, str, None]:
+        """The samples of the rows of ``x`` (a view of the root's memory, ``x.dim() > 0``); None where
+        a row reaches into two samples or two rows hold one; :data:`UNKNOWN` where it cannot tell."""
+        if not self._known or not _strided(x):
+            return UNKNOWN
+        if x.shape[0] == 0:
+            return 0, 1, 0
+        if x.numel() == 0:
+            return UNKNOWN  # rows without elements: nothing places them
+        return self._rows_by_offset(x) if self._cell else self._rows_by_label(x)
 
-    def _rows_by_offset(self, x: torch.Tensor) -> Optional[Rows]:
+    def _rows_by_offset(self, x: torch.Tensor) -> Union[Rows, str, None]:
         size, cell = x.element_size(), self._cell
-        start, within = divmod(x.storage_offset() * size - self._root_offset, cell)
+        start, within = divmod(x.storage_offset() * size - self._origin, cell)
         if within + _reach(x) > cell:
             return None
-        if x.shape[0] <= 1:
-            return start, 1, x.shape[0]
-        stride = x.stride(0) * size
-        return (start, stride // cell, x.shape[0]) if stride > 0 and stride % cell == 0 else None
-
-    def _rows_by_label(self, x: torch.Tensor) -> Optional[Rows]:
-        shape, strides, offset, size, device = self._geometry
-        if x.element_size() != size or x.device != device or not shape or strides[0] <= 0:
-            return None  # another element size over interleaved samples, or samples sharing memory: not told
-        labels, low = self._label_memory(), offset
-        if x.storage_offset() < low or x.storage_offset() - low + _reach(x, slice(0, None)) // size > labels.numel():
-            return None  # reaches past the handed tensor's memory
-        rows = labels.as_strided(x.shape, x.stride(), x.storage_offset() - low).reshape(x.shape[0], -1)
-        if x.shape[0] == 0 or rows.shape[1] == 0:
-            return self._first, 1, x.shape[0]
-        first = rows[:, 0]
-        if bool((first < 0).any()) or not bool((rows == first[:, None]).all()):
+        step = x.stride(0) * size // cell if x.shape[0] > 1 else 1
+        if x.shape[0] > 1 and (x.stride(0) <= 0 or x.stride(0) * size % cell):
             return None
-        start = int(first[0])
-        step = int(first[1] - first[0]) if x.shape[0] > 1 else 1
-        if step <= 0 or not torch.equal(first, start + step * torch.arange(x.shape[0], device=device)):
-            return None
+        if start < 0 or start + step * (x.shape[0] - 1) >= self._samples:
+            return UNKNOWN  # rows of the root the handed tensor does not hold
         return start, step, x.shape[0]
 
-    def _label_memory(self) -> torch.Tensor:
-        """Each element of the handed tensor's span of memory labelled with its sample (-1: none)."""
+    def _rows_by_label(self, x: torch.Tensor) -> Union[Rows, str, None]:
+        labels, low = self._label_memory()
+        unit = math.gcd(self._size, x.element_size())  # index both in units of this many bytes
+        per_label, per_x = self._size // unit, x.element_size() // unit
+        begin = x.storage_offset() * per_x - low * per_label
+        if begin < 0 or begin + _reach(x, slice(0, None)) // unit > labels.numel() * per_label:
+            return UNKNOWN  # reaches past the handed tensors' memory
+        if per_label > 1:
+            labels = labels.repeat_interleave(per_label)
+        seen = labels.as_strided((*x.shape, per_x), (*(s * per_x for s in x.stride()), 1), begin)
+        rows = seen.reshape(x.shape[0], -1)
+        if bool((rows < 0).any()):
+            return UNKNOWN  # memory no handed tensor covers, or two samples share
+        first = rows[:, 0]
+        if not bool((rows == first[:, None]).all()):
+            return None
+        return _arithmetic(first)
+
+    def _label_memory(self) -> Tuple[torch.Tensor, int]:
+        """(labels, offset of the first): each element of the handed tensors' span of the root's memory
+        labelled with its sample, ``_FREE`` where none covers it, ``_SHARED`` where two samples do."""
         if self._labels is None:
-            shape, strides, offset, _, device = self._geometry
-            extent = 1 + sum((n - 1) * s for n, s in zip(shape, strides)) if all(shape) else 0
-            labels = torch.full((extent,), -1, dtype=torch.int64, device=device)
-            samples = torch.arange(self._first, self._first + shape[0], device=device)
-            try:
-                labels.as_strided(shape, strides, 0).copy_(samples.view(-1, *[1] * (len(shape) - 1)).expand(shape))
-            except RuntimeError:  # elements sharing memory (an expanded batch): no sample is told
-                labels.fill_(-1)
-            self._labels = labels
-        return self._labels
-
-
-def disagree(a: Optional[SampleLayout], b: Optional[SampleLayout]) -> bool:
-    """Whether two handed tensors of one root place the samples differently (then neither is used)."""
-    if a is None or b is None:
-        return True
-    if a.sample_major and b.sample_major:
-        return a._cell != b._cell or a._root_offset != b._root_offset
-    return a.sample_major != b.sample_major or a._geometry[1:3] != b._geometry[1:3]
-
+            spans = [(off, off + sum((n - 1) * s for n, s in zip(shape, strides)) + 1)
+                     for shape, strides, off in self._handed if all(shape)]
+            self._low = min((lo for lo, _ in spans), default=0)
+            high = max((hi for _, hi in spans), default=0)
+            lowest = torch.full((high - self._low,), torch.iinfo(torch.int64).max, dtype=torch.int64,
+                                device=self._device)
+            highest = torch.full_like(lowest, _FREE)
+            for shape, strides, off in self._handed:
+                if not all(shape):
+                    continue
+                index = torch.full((), off - self._low, dtype=torch.int64, device=self._device)
+                for n, s in zip(shape, strides):
+                    index = index.unsqueeze(-1) + s * torch.arange(n, device=self._device)
+                sample = torch.arange(shape[0], device=self._device).view(-1, *[1] * (len(shape) - 1)).expand(shape)
+                lowest.scatter_reduce_(0, index.flatten(), sample.flatten(), "amin")
+                highest.scatter_reduce_(0, index.flatten(), sample.flatten(), "amax")
+            self._labels = torch.where(lowest == highest, highest, torch.where(highest == _FREE, _FREE, _SHARED))
+        return self._labels, self._low

@@ -1,5 +1,6 @@
 """Bad input gets a clear error naming the module/parameter and the fix; nothing is silently wrong."""
 import copy
+import itertools
 import re
 
 import pytest
@@ -669,6 +670,66 @@ def test_loader_tensors_laid_out_otherwise_are_told_apart_by_sample(layout):
     opt.zero_grad()
     with pytest.raises(fastdp.UnsupportedModuleError, match="not one sample each"):
         not_samples(model, x).square().sum().backward()
+
+
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+def test_towers_on_the_halves_of_one_collated_buffer_and_odd_batch_items_are_taken():
+    """Second regression review: two towers fed ids[:B] and ids[B:] of one stacked (2B, T) buffer were
+    refused (numbered by buffer row, not by sample); a batch holding a sparse or nested tensor crashed the
+    layout; an empty batch from a transposed collate crashed its label map."""
+    from torch.nn.utils.rnn import pad_sequence
+    from torch.utils.data import DataLoader
+
+    from fastdp.clipping import EPS
+
+    class Towers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.d = nn.Embedding(9, 3), nn.Embedding(9, 3)
+
+        def forward(self, queries, documents, *_):
+            return (self.q(queries) * self.d(documents)).sum((1, 2))
+
+    def collate(items):  # one (2B, 4) buffer: the queries, then the documents
+        ids = torch.stack([q for q, _ in items] + [d for _, d in items]) if items else torch.zeros(0, 4).long()
+        return ids[:len(items)], ids[len(items):], torch.eye(3).to_sparse_csr()
+
+    data = [(torch.randint(0, 9, (4,)), torch.randint(0, 9, (4,))) for _ in range(40)]
+    model = Towers().double()
+    plain = copy.deepcopy(model)
+    model, opt, loader = fastdp.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                                             data_loader=DataLoader(data, batch_size=5, collate_fn=collate),
+                                             max_grad_norm=0.05, noise_multiplier=0.0, seed=2, loss_reduction="sum")
+    for queries, documents, _ in loader:
+        opt.zero_grad()
+        model(queries, documents).sum().backward()
+        opt.step()
+        if len(queries):
+            break
+    want = {n: torch.zeros_like(p) for n, p in plain.named_parameters()}
+    for i in range(len(queries)):
+        plain.zero_grad()
+        plain(queries[i:i + 1], documents[i:i + 1]).sum().backward()
+        norm = torch.sqrt(sum(p.grad.square().sum() for p in plain.parameters()))
+        for n, p in plain.named_parameters():
+            want[n] += p.grad * min(1.0, 0.05 / (float(norm) + EPS))
+    for n, p in model.named_parameters():
+        assert torch.allclose(p.grad * opt.expected_batch_size, want[n], rtol=1e-9, atol=1e-15), n
+    opt.detach()
+
+    seqs = [torch.randint(1, 9, (3,)) for _ in range(40)]
+    model = nn.Embedding(9, 2)
+    model, opt, loader = fastdp.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                                             data_loader=DataLoader(seqs, batch_size=1, collate_fn=lambda b: (
+                                                 pad_sequence(b).t() if b else torch.zeros(3, 0, dtype=torch.long).t(),)),
+                                             max_grad_norm=1.0, noise_multiplier=1.0, seed=0)
+    sizes = []
+    for (ids,) in itertools.islice(loader, 12):
+        opt.zero_grad()
+        model(ids).sum().backward()
+        opt.step()
+        sizes.append(len(ids))
+    assert 0 in sizes  # batches of expected size 1: empty ones come
 
 
 class _Real(nn.Module):
