@@ -19,6 +19,7 @@ import hashlib
 import math
 import operator
 import warnings
+import weakref
 from collections import deque
 from collections.abc import Mapping
 from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optional
@@ -49,6 +50,10 @@ def uniform_subset(rng: np.random.Generator, population: int, size: int) -> List
 
 # digest of (seed, stream, dataset size) -> [batches of it that steps released in this process (the highest index + 1)]
 _BATCHES_RELEASED: Dict[bytes, List[int]] = {}
+
+
+def _memory_of(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 
 
 def steps_per_epoch(sample_rate: float) -> int:
@@ -245,6 +250,8 @@ class BatchLedger:
         self.closed_once = False  # a step (or a refused one) has closed the count since
         self.handed = TensorMap()  # tensor -> batch number
         self.layouts = TensorMap()  # root tensor of handed-out tensors -> SampleLayout of the last batch on it
+        self._roots: Dict[int, weakref.ref] = {}  # their memory's address -> the root
+        self.handouts = 0  # batches and chunks handed out: names each one's SampleLayout
         self.last_chunk: Optional[int] = None  # samples in the batch (or chunk) handed out last
         self.batch_samples: Optional[int] = 0  # samples of the batch taken last, over its chunks (None: unknown)
 
@@ -262,6 +269,7 @@ class BatchLedger:
                 UserWarning, stacklevel=user_stacklevel())
         self.handed.prune()
         self.layouts.prune()
+        self._roots = {memory: root for memory, root in self._roots.items() if root() is not None}
         self.batch_samples = 0
         self.hand_out(batch, size)
 
@@ -271,6 +279,7 @@ class BatchLedger:
         as ``_base``)."""
         self.last_chunk = size
         self.batch_samples = None if size is None or self.batch_samples is None else self.batch_samples + size
+        self.handouts += 1
         by_root = TensorMap()  # root -> the tensors of this batch (or chunk) on its memory
         for t in _tensors_in(batch):
             for u in (t, t._base):
@@ -279,7 +288,9 @@ class BatchLedger:
             if t.dim():
                 by_root.setdefault(t if t._base is None else t._base, []).append(t)
         for root, tensors in by_root.items():
-            self.layouts[root] = SampleLayout(root, tensors)
+            self.layouts[root] = SampleLayout(tensors, self.handouts)
+            if root.layout == torch.strided and not root.is_nested:  # aliases (x.detach(), x.data) find it
+                self._roots[_memory_of(root)] = weakref.ref(root)
 
     def traced_batches(self, tensors: Iterable[torch.Tensor]) -> set:
         """The batches of the handed-out tensors among ``tensors`` (the inputs a backward pass's
@@ -292,8 +303,14 @@ class BatchLedger:
         return traced or {self.taken}
 
     def sample_layout(self, root: torch.Tensor) -> Optional[SampleLayout]:
-        """Where the samples lie in ``root``'s memory, if it is (the base of) a tensor the loader handed out."""
-        return self.layouts.get(root)
+        """Where the samples lie in ``root``'s memory, if it is (the base of) a tensor the loader handed
+        out, or an alias of one (``detach()``, ``.data``: another tensor on the same memory)."""
+        layout = self.layouts.get(root)
+        if layout is None and root.layout == torch.strided and not root.is_nested:
+            handed = self._roots.get(_memory_of(root), lambda: None)()
+            if handed is not None and _memory_of(handed) == _memory_of(root):
+                layout = self.layouts.get(handed)
+        return layout
 
     def samples_in_pass(self, batches: set) -> Optional[int]:
         """How many samples a backward pass on ``batches`` (its :meth:`batches_of`) can hold, one

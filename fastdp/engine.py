@@ -245,7 +245,7 @@ class GradSampleEngine:
                     "fastdp clips each row of dim 0 as one sample, so one sample's parts would each be clipped to C; "
                     "keep the samples on dim 0 (x[i:i + 1] or x[i].unsqueeze(0) for one sample; (B, T, ...) layouts "
                     "for sequences)")
-            key = id(base)  # every layer: row i is sample i of the pass
+            key = ("loader", layout.batch)  # every layer, every tensor of the batch: row i is sample i
         else:
             rows = self._rows_of_other(x, base)
             if rows is None:
@@ -261,7 +261,7 @@ class GradSampleEngine:
                 "(B, T, d), y[:, t], looks the same: if every call does see each sample once, in order, give each "
                 "step's input its own tensor (y[:, t].contiguous())")
         if of_loader:
-            self._note_samples(base, rows)
+            self._note_samples(layout.batch, rows)
 
     @staticmethod
     def _rows_of_other(x: torch.Tensor, base: torch.Tensor) -> Optional[tuple]:
@@ -277,15 +277,15 @@ class GradSampleEngine:
             return None
         return (x.storage_offset() - base.storage_offset()) // base.stride(0), x.stride(0) // base.stride(0), x.shape[0]
 
-    def _note_samples(self, batch: torch.Tensor, rows: tuple) -> None:
-        """Keep the rows of the loader's ``batch`` a layer call saw: ``_check_samples_once`` compares
-        them with the earlier passes' at the pass's end."""
+    def _note_samples(self, batch: int, rows: tuple) -> None:
+        """Keep the samples of the loader's batch (or chunk) number ``batch`` a layer call saw:
+        ``_check_samples_once`` compares them with the earlier passes' at the pass's end."""
         self._pass_samples.setdefault(batch, set()).add(rows)
 
-    def _check_samples_once(self, samples: TensorMap) -> None:
-        """Refuse rows of the loader's batch tensors (this pass's ``_pass_samples``) that an earlier
-        pass since the last step saw through other views (overlapping micro-batches, x[:4] sliced
-        twice): clipped twice."""
+    def _check_samples_once(self, samples: Dict[int, set]) -> None:
+        """Refuse samples of a loader batch (this pass's ``_pass_samples``) that an earlier pass since
+        the last step saw through other views or other tensors of the batch (overlapping micro-batches,
+        x[:4] sliced twice, one pass through x and one through y): clipped twice."""
         for data, ranges in samples.items():
             earlier = self._step_samples.get(data)
             if earlier is not None and any(not earlier.isdisjoint(_rows(rows)) for rows in ranges):
@@ -571,9 +571,10 @@ _PASS_STATE = {
     # the tensors the layer inputs are views of (values None): with the inputs themselves, what finds
     # the data batch the pass came from (attach_loader)
     "_pass_bases": TensorMap,
-    "_pass_rows": dict,  # rows of its base each (layer id, base id) saw: (first, step, count)
-    # rows of the loader's batch tensors the layers saw: a set of (first, step, count) each
-    "_pass_samples": TensorMap,
+    # (first, step, count) of the rows each (layer id, base id), or each loader batch ("loader", number), saw
+    "_pass_rows": dict,
+    # samples of the loader's batches the layers saw, by SampleLayout.batch: a set of (first, step, count) each
+    "_pass_samples": dict,
     "_queued_task": lambda: None,  # the autograd graph task whose end runs _finish_backward
 }
 
@@ -581,9 +582,9 @@ _PASS_STATE = {
 _STEP_STATE = {
     "_step_inputs": TensorMap,  # as _pass_inputs
     "_step_taps": dict,  # as _pass_taps
-    # the rows of the loader's batch tensors (a set of row indices each), to tell the same samples in
-    # two passes by views (overlapping micro-batches)
-    "_step_samples": TensorMap,
+    # the samples of the loader's batches (a set of indices each, by SampleLayout.batch), to tell the
+    # same samples in two passes (overlapping micro-batches, other tensors of one batch)
+    "_step_samples": dict,
     "step_batches": set,  # which data batches of the attached loader the passes came from
     "step_passes": int,  # the passes completed (an empty batch's included)
 }

@@ -1,19 +1,20 @@
 """Which sample of a handed-out batch each part of its memory holds.
 
-fastdp clips each row of a layer input's dim 0 as one sample. Where that input is a view of
-the tensors the loader handed out, :class:`SampleLayout` tells whether each of its rows lies in
-one sample, a different one per row, and which: ``(start, step, count)``, row ``i`` holding
-sample ``start + i * step``, sample ``i`` being row ``i`` of every handed tensor on that memory.
-Two ways of telling:
+fastdp clips each row of a layer input's dim 0 as one sample. Where that input is a view of the
+tensors the loader handed out, :class:`SampleLayout` tells whether each of its rows lies in one
+sample, a different one per row, and which: ``(start, step, count)``, row ``i`` holding sample
+``start + i * step``, sample ``i`` being row ``i`` of every tensor of the batch. Two ways of telling:
 
-* one handed tensor whose samples are whole strides of its root's dim 0 (a stacked batch): byte
-  arithmetic on offsets and strides, so views that change the dtype are measured alike;
-* otherwise (a collate returning a transposed tensor, ``pad_sequence(b).t()``, a column-major
-  array, or several views of one buffer): a label per element of the root, written through each
-  handed tensor's strides; an element two samples claim (an expanded tensor) is unknown.
+* a grid: where every tensor of the batch on this memory keeps each sample within one stride of
+  its dim 0, the same stride for all (a stacked batch, its halves, a pair ``v[0], v[1]`` of one
+  stack, features and labels split from one buffer), byte arithmetic on offsets and strides;
+* labels: otherwise (a collate returning a transposed tensor, ``pad_sequence(b).t()``, or a
+  column-major array), a label per element, written through each tensor's strides; memory two
+  samples claim (an expanded tensor) is unknown.
 
-A view that reaches memory no handed tensor labels, or an unknown element, is :data:`UNKNOWN`:
-the engine then checks it as any other tensor.
+Both count in bytes, so views that change the dtype (``view_as_real``) are measured alike. A view
+reaching memory that no tensor of the batch holds, or that samples share, is :data:`UNKNOWN`: the
+engine then checks it as any other tensor.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import torch
 
 Rows = Tuple[int, int, int]  # (start, step, count): row i holds sample start + i * step
 UNKNOWN = "unknown"  # rows_of: the memory does not tell
-_FREE, _SHARED = -1, -2  # labels of memory no handed tensor covers, and of memory two samples claim
+_FREE, _SHARED = -1, -2  # labels of memory no tensor of the batch holds, and of memory two samples claim
 
 
 def _reach(t: torch.Tensor, dims: slice = slice(1, None)) -> int:
@@ -39,10 +40,13 @@ def _strided(t: torch.Tensor) -> bool:
     return t.layout == torch.strided and not t.is_nested and t.dim() > 0
 
 
+def _offset(t: torch.Tensor) -> int:
+    return t.storage_offset() * t.element_size()
+
+
 def _arithmetic(first: torch.Tensor) -> Optional[Rows]:
     """``(start, step, count)`` of sample indices that step up evenly, else None."""
-    count = first.numel()
-    start = int(first[0])
+    count, start = first.numel(), int(first[0])
     step = int(first[1] - first[0]) if count > 1 else 1
     if step <= 0 or not torch.equal(first, start + step * torch.arange(count, device=first.device)):
         return None
@@ -50,86 +54,123 @@ def _arithmetic(first: torch.Tensor) -> Optional[Rows]:
 
 
 class SampleLayout:
-    """The samples of the tensors ``handed`` (handed out together, dim 0 the samples) in the memory of
-    their common ``root`` (the tensor they are, or are views of)."""
+    """The samples of ``handed``, the tensors of one batch on one memory (dim 0 the samples of each);
+    ``batch`` names the batch (or chunk) they were handed out in."""
 
-    def __init__(self, root: torch.Tensor, handed: List[torch.Tensor]):
-        self._known = _strided(root) and all(_strided(t) and t.element_size() == root.element_size() for t in handed)
-        self._size = root.element_size()
-        self._handed = [(tuple(t.shape), t.stride(), t.storage_offset()) for t in handed] if self._known else []
-        self._cell = 0  # bytes from a sample to the next where byte arithmetic tells (one sample-major tensor)
-        if self._known and len(handed) == 1:
-            (t,) = handed
-            cell = root.stride(0) * self._size
-            first_row, within = divmod((t.storage_offset() - root.storage_offset()) * self._size, cell) if cell > 0 \
-                else (0, 0)
-            if cell > 0 and _reach(root) <= cell and (t.shape[0] <= 1 or t.stride(0) * self._size == cell) \
-                    and within + _reach(t) <= cell:
-                self._cell, self._origin = cell, (root.storage_offset() + first_row * root.stride(0)) * self._size
-                self._samples = t.shape[0]
-        self._labels: Optional[torch.Tensor] = None  # made at the first query that needs them
-        self._device = root.device
+    def __init__(self, handed: List[torch.Tensor], batch: int):
+        self.batch = batch
+        self._known = all(_strided(t) for t in handed)
+        self._handed = handed if self._known else []
+        self._grid = self._sample_grid() if self._known else None
+        self._labels: Optional[Tuple[torch.Tensor, int, int]] = None  # (labels, first byte, bytes each)
+
+    def _sample_grid(self):
+        """``(cell, origin, ranges)`` where sample i of tensor t is cell ``first_t + i`` of the memory
+        from byte ``origin`` in steps of ``cell``, ``ranges`` the ``(first_t, count_t)``; None where no
+        such grid holds (tensors with other strides, samples wider than a cell, ranges that overlap
+        shifted)."""
+        rows = [t for t in self._handed if t.shape[0] > 1]
+        cell = (rows or self._handed)[0].stride(0) * (rows or self._handed)[0].element_size() if self._handed else 0
+        if cell <= 0 or any(t.stride(0) * t.element_size() != cell for t in rows):
+            return None
+        origin = min(_offset(t) for t in self._handed)
+        ranges = set()
+        for t in self._handed:
+            first, within = divmod(_offset(t) - origin, cell)
+            if within + _reach(t) > cell:
+                return None
+            ranges.add((first, t.shape[0]))
+        if any(a[0] != b[0] and a[0] < b[0] + b[1] and b[0] < a[0] + a[1] for a in ranges for b in ranges):
+            return None
+        return cell, origin, sorted(ranges)
 
     def rows_of(self, x: torch.Tensor) -> Union[Rows, str, None]:
-        """The samples of the rows of ``x`` (a view of the root's memory, ``x.dim() > 0``); None where
-        a row reaches into two samples or two rows hold one; :data:`UNKNOWN` where it cannot tell."""
+        """The samples of the rows of ``x`` (a view of this memory, ``x.dim() > 0``); None where a row
+        reaches into two samples or two rows hold one; :data:`UNKNOWN` where the memory does not tell."""
         if not self._known or not _strided(x):
             return UNKNOWN
         if x.shape[0] == 0:
             return 0, 1, 0
         if x.numel() == 0:
             return UNKNOWN  # rows without elements: nothing places them
-        return self._rows_by_offset(x) if self._cell else self._rows_by_label(x)
+        return self._rows_on_grid(x) if self._grid is not None else self._rows_by_label(x)
 
-    def _rows_by_offset(self, x: torch.Tensor) -> Union[Rows, str, None]:
-        size, cell = x.element_size(), self._cell
-        start, within = divmod(x.storage_offset() * size - self._origin, cell)
+    def _rows_on_grid(self, x: torch.Tensor) -> Union[Rows, str, None]:
+        cell, origin, ranges = self._grid
+        first, within = divmod(_offset(x) - origin, cell)
         if within + _reach(x) > cell:
             return None
-        step = x.stride(0) * size // cell if x.shape[0] > 1 else 1
-        if x.shape[0] > 1 and (x.stride(0) <= 0 or x.stride(0) * size % cell):
+        stride = x.stride(0) * x.element_size()
+        if x.shape[0] > 1 and (stride <= 0 or stride % cell):
             return None
-        if start < 0 or start + step * (x.shape[0] - 1) >= self._samples:
-            return UNKNOWN  # rows of the root the handed tensor does not hold
-        return start, step, x.shape[0]
+        step = stride // cell if x.shape[0] > 1 else 1
+        last = first + step * (x.shape[0] - 1)
+        start = next((lo for lo, n in ranges if lo <= first < lo + n), None)
+        end = next((lo for lo, n in ranges if lo <= last < lo + n), None)
+        if start is None or end is None:
+            return UNKNOWN  # memory no tensor of the batch holds
+        if start != end or any(start < lo < last for lo, _ in ranges):
+            return None  # rows across two tensors' samples: sample i of each twice
+        return first - start, step, x.shape[0]
 
     def _rows_by_label(self, x: torch.Tensor) -> Union[Rows, str, None]:
-        labels, low = self._label_memory()
-        unit = math.gcd(self._size, x.element_size())  # index both in units of this many bytes
-        per_label, per_x = self._size // unit, x.element_size() // unit
-        begin = x.storage_offset() * per_x - low * per_label
-        if begin < 0 or begin + _reach(x, slice(0, None)) // unit > labels.numel() * per_label:
-            return UNKNOWN  # reaches past the handed tensors' memory
-        if per_label > 1:
-            labels = labels.repeat_interleave(per_label)
+        labels, low, unit = self._label_memory()
+        size = math.gcd(unit, x.element_size())  # index both in units of this many bytes
+        if unit > size:
+            labels = labels.repeat_interleave(unit // size)
+        per_x, begin = x.element_size() // size, (_offset(x) - low) // size
+        if _offset(x) < low or begin + _reach(x, slice(0, None)) // size > labels.numel():
+            return UNKNOWN  # reaches past the batch's memory
         seen = labels.as_strided((*x.shape, per_x), (*(s * per_x for s in x.stride()), 1), begin)
         rows = seen.reshape(x.shape[0], -1)
         if bool((rows < 0).any()):
-            return UNKNOWN  # memory no handed tensor covers, or two samples share
+            return UNKNOWN  # memory no tensor of the batch holds, or that two samples share
         first = rows[:, 0]
         if not bool((rows == first[:, None]).all()):
             return None
         return _arithmetic(first)
 
-    def _label_memory(self) -> Tuple[torch.Tensor, int]:
-        """(labels, offset of the first): each element of the handed tensors' span of the root's memory
-        labelled with its sample, ``_FREE`` where none covers it, ``_SHARED`` where two samples do."""
+    def _label_memory(self) -> Tuple[torch.Tensor, int, int]:
+        """(labels, first byte, bytes per label): the batch's span of memory labelled with the sample
+        each unit holds, ``_FREE`` where no tensor holds it, ``_SHARED`` where two samples do."""
         if self._labels is None:
-            spans = [(off, off + sum((n - 1) * s for n, s in zip(shape, strides)) + 1)
-                     for shape, strides, off in self._handed if all(shape)]
-            self._low = min((lo for lo, _ in spans), default=0)
-            high = max((hi for _, hi in spans), default=0)
-            lowest = torch.full((high - self._low,), torch.iinfo(torch.int64).max, dtype=torch.int64,
-                                device=self._device)
-            highest = torch.full_like(lowest, _FREE)
-            for shape, strides, off in self._handed:
-                if not all(shape):
+            unit = math.gcd(*(t.element_size() for t in self._handed))
+            spans = [(_offset(t), _offset(t) + _reach(t, slice(0, None))) for t in self._handed if t.numel()]
+            low, high = min((a for a, _ in spans), default=0), max((b for _, b in spans), default=0)
+            device = self._handed[0].device
+            labels = torch.full(((high - low) // unit,), _FREE, dtype=torch.int32, device=device)
+            for t in self._handed:
+                if not t.numel():
                     continue
-                index = torch.full((), off - self._low, dtype=torch.int64, device=self._device)
-                for n, s in zip(shape, strides):
-                    index = index.unsqueeze(-1) + s * torch.arange(n, device=self._device)
-                sample = torch.arange(shape[0], device=self._device).view(-1, *[1] * (len(shape) - 1)).expand(shape)
-                lowest.scatter_reduce_(0, index.flatten(), sample.flatten(), "amin")
-                highest.scatter_reduce_(0, index.flatten(), sample.flatten(), "amax")
-            self._labels = torch.where(lowest == highest, highest, torch.where(highest == _FREE, _FREE, _SHARED))
-        return self._labels, self._low
+                per = t.element_size() // unit
+                region = labels.as_strided((*t.shape, per), (*(s * per for s in t.stride()), 1),
+                                           (_offset(t) - low) // unit)
+                sample = torch.arange(t.shape[0], dtype=torch.int32, device=device)
+                sample = sample.view(-1, *[1] * t.dim()).expand(region.shape)
+                if torch._debug_has_internal_overlap(t) == 1:  # t overlaps itself: no write through its strides
+                    _label_overlapping(labels, region)
+                    continue
+                merged = torch.where((region == _FREE) | (region == sample), sample, _SHARED)
+                region.copy_(merged)
+                if not torch.equal(region, merged):  # a unit written twice through t's strides
+                    _label_overlapping(labels, region)
+            self._labels = labels, low, unit
+        return self._labels
+
+
+def _label_overlapping(labels: torch.Tensor, region: torch.Tensor) -> None:
+    """Label the units of ``region`` (a view of ``labels`` whose dim 0 is the samples, possibly over
+    shared memory) with their sample, ``_SHARED`` where two samples claim one or it already held another."""
+    index = torch.full((), region.storage_offset(), dtype=torch.int64, device=labels.device)
+    for n, s in zip(region.shape, region.stride()):
+        index = index.unsqueeze(-1) + s * torch.arange(n, device=labels.device)
+    sample = torch.arange(region.shape[0], device=labels.device).view(-1, *[1] * (region.dim() - 1))
+    index, sample = index.flatten(), sample.expand(region.shape).flatten()
+    lowest = torch.full(labels.shape, region.shape[0], dtype=torch.int64, device=labels.device)
+    highest = torch.full(labels.shape, -1, dtype=torch.int64, device=labels.device)
+    lowest.scatter_reduce_(0, index, sample, "amin")
+    highest.scatter_reduce_(0, index, sample, "amax")
+    one = (highest >= 0) & (lowest == highest)
+    prior = labels.long()
+    claimed_once = one & ((prior == _FREE) | (prior == lowest))
+    labels.copy_(torch.where(claimed_once, lowest, torch.where(highest >= 0, _SHARED, prior)).int())

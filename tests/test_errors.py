@@ -732,6 +732,42 @@ def test_towers_on_the_halves_of_one_collated_buffer_and_odd_batch_items_are_tak
     assert 0 in sizes  # batches of expected size 1: empty ones come
 
 
+@pytest.mark.parametrize("case", ["view_as_real batch, time first", "x[1:] beside y[:-1]", "x.detach().t()",
+                                  "one pass through x, one through y"])
+def test_the_samples_of_a_batch_are_told_across_its_tensors_dtypes_and_aliases(case):
+    """Third regression review: a collate handing out view_as_real(z) lost its layout (another element size
+    than its root) and a time-first view passed at 3 C; a(x[1:]) beside b(y[:-1]) on two tensors of one batch
+    passed at 1.41 C, as did a pass through x then one through y; x.detach() (no _base) escaped the check."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 1), nn.Linear(2, 1)
+
+    model = Two()
+    if case == "view_as_real batch, time first":
+        data, collate = [torch.randn(3, dtype=torch.complex64) for _ in range(30)], \
+            (lambda b: (torch.view_as_real(torch.stack(b)),))
+    else:
+        data, collate = TensorDataset(torch.randn(30, 3, 2), torch.randn(30, 3, 2)), None
+    model, opt, loader = fastdp.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                                             data_loader=DataLoader(data, batch_size=6, collate_fn=collate),
+                                             max_grad_norm=1.0, noise_multiplier=0.0, seed=4)
+    batch = next(b for b in loader if len(b[0]) > 3)
+    x, y = batch[0], batch[-1]
+    if case == "one pass through x, one through y":
+        model.a(x).sum().backward()
+        with pytest.raises(fastdp.UnsupportedModuleError, match="an earlier pass since the last step saw too"):
+            model.b(y).sum().backward()
+        return
+    loss = {"view_as_real batch, time first": lambda: model.a(x.transpose(0, 1)).sum(),
+            "x[1:] beside y[:-1]": lambda: (model.a(x[1:]).sum(1) * model.b(y[:-1]).sum(1)).sum(),
+            "x.detach().t()": lambda: model.a(x.detach().transpose(0, 1)).sum()}[case]
+    with pytest.raises(fastdp.UnsupportedModuleError, match="not one sample each|saw other samples"):
+        loss().backward()
+
+
 class _Real(nn.Module):
     def forward(self, z):
         return torch.view_as_real(z)
