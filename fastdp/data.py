@@ -285,7 +285,7 @@ class BatchLedger:
             for u in (t, t._base):
                 if u is not None:
                     self.handed[u] = self.taken
-            if t.dim():
+            if t.dim() and (size is None or t.shape[0] == size):  # not a tensor all samples share (positions)
                 by_root.setdefault(t if t._base is None else t._base, []).append(t)
         for root, tensors in by_root.items():
             self.layouts[root] = SampleLayout(tensors, self.handouts)

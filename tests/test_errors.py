@@ -768,6 +768,32 @@ def test_the_samples_of_a_batch_are_told_across_its_tensors_dtypes_and_aliases(c
         loss().backward()
 
 
+def test_a_tensor_the_collate_hands_out_for_all_samples_is_not_taken_for_samples():
+    """A collate returning (tokens, torch.arange(T)) and a model expanding the positions to the batch, as
+    the README advises, was refused: every tensor of the batch was read as one sample per row (fourth
+    regression review). Only tensors with a row per sample of the batch are."""
+    from torch.utils.data import DataLoader
+
+    class Positions(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte, self.wpe = nn.Embedding(9, 2), nn.Embedding(3, 2)
+
+        def forward(self, tokens, positions):
+            return self.wte(tokens) + self.wpe(positions.expand(len(tokens), -1))
+
+    data = [torch.randint(0, 9, (3,)) for _ in range(40)]
+    model = Positions()
+    model, opt, loader = fastdp.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        data_loader=DataLoader(data, batch_size=7, collate_fn=lambda b: (
+            torch.stack(b) if b else torch.zeros(0, 3, dtype=torch.long), torch.arange(3))),
+        max_grad_norm=1.0, noise_multiplier=0.0, seed=1)
+    tokens, positions = next(b for b in loader if len(b[0]) not in (0, 3))
+    model(tokens, positions).sum().backward()
+    opt.step()
+
+
 class _Real(nn.Module):
     def forward(self, z):
         return torch.view_as_real(z)
