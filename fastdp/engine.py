@@ -239,9 +239,9 @@ class GradSampleEngine:
         if of_loader:
             if rows is None:
                 raise UnsupportedModuleError(
-                    f"layer {self._module_name(module)} got rows (dim 0 of {tuple(x.shape)}) of the loader's batch that "
-                    "are not one sample each: one sample without its batch dimension (x[i]), a batch flattened into "
-                    "rows or moved off dim 0 (x.view(-1, d), x.transpose(0, 1)), or one sample repeated (expand). "
+                    f"layer {self._module_name(module)} got rows (dim 0 of {tuple(x.shape)}) of the loader's batch "
+                    "that are not one sample each: one sample without its batch dimension (x[i]), a batch flattened "
+                    "into rows or moved off dim 0 (x.view(-1, d), x.transpose(0, 1)), or one sample repeated (expand). "
                     "fastdp clips each row of dim 0 as one sample, so one sample's parts would each be clipped to C; "
                     "keep the samples on dim 0 (x[i:i + 1] or x[i].unsqueeze(0) for one sample; (B, T, ...) layouts "
                     "for sequences)")

@@ -553,9 +553,10 @@ def test_selects_along_dim_0_broadcasts_and_token_streams_are_not_taken_for_chun
 
 def test_a_pass_with_more_rows_than_its_loader_batch_has_samples_is_refused():
     """Each sample must be one row: rows of a batch tensor split further (tokens flattened into
-    rows) are refused (now as a view whose rows are not samples); two views of each sample concatenated on dim 0 (untraceable: a new
-    tensor) warn, as data from outside the loader would (review: clipped as two samples,
-    silently). The samples are counted from the sampler's index lists."""
+    rows) are refused (now as a view whose rows are not samples); two views of each sample
+    concatenated on dim 0 (untraceable: a new tensor) warn, as data from outside the loader would
+    (review: clipped as two samples, silently). The samples are counted from the sampler's index
+    lists."""
     from torch.utils.data import DataLoader, TensorDataset
     model = nn.Sequential(nn.Linear(2, 4), nn.Tanh(), nn.Linear(4, 2))
     loader = DataLoader(TensorDataset(torch.randn(40, 4)), batch_size=8)
@@ -643,10 +644,12 @@ def test_loader_tensors_laid_out_otherwise_are_told_apart_by_sample(layout):
 
     torch.manual_seed(0)
     if layout == "pad_sequence(b).t()":
-        model, data = nn.Sequential(nn.Embedding(9, 3), nn.Linear(3, 2)).double(), [torch.randint(0, 9, (5,)) for _ in range(30)]
+        model = nn.Sequential(nn.Embedding(9, 3), nn.Linear(3, 2)).double()
+        data = [torch.randint(0, 9, (5,)) for _ in range(30)]
         collate, not_samples = (lambda b: (pad_sequence(b).t(),)), (lambda m, ids: m(ids.t()))
     elif layout == "stack(b, 1).transpose(0, 1)":
-        model, data = nn.Sequential(nn.Linear(4, 2)).double(), [torch.randn(5, 4, dtype=torch.float64) for _ in range(30)]
+        model = nn.Sequential(nn.Linear(4, 2)).double()
+        data = [torch.randn(5, 4, dtype=torch.float64) for _ in range(30)]
         collate, not_samples = (lambda b: (torch.stack(b, 1).transpose(0, 1),)), (lambda m, x: m(x.transpose(0, 1)))
     elif layout == "column-major":
         model, data = nn.Sequential(nn.Linear(4, 2)).double(), [torch.randn(4, dtype=torch.float64) for _ in range(30)]
@@ -719,9 +722,11 @@ def test_towers_on_the_halves_of_one_collated_buffer_and_odd_batch_items_are_tak
 
     seqs = [torch.randint(1, 9, (3,)) for _ in range(40)]
     model = nn.Embedding(9, 2)
+    def transposed(b):
+        return (pad_sequence(b).t() if b else torch.zeros(3, 0, dtype=torch.long).t(),)
+
     model, opt, loader = fastdp.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-                                             data_loader=DataLoader(seqs, batch_size=1, collate_fn=lambda b: (
-                                                 pad_sequence(b).t() if b else torch.zeros(3, 0, dtype=torch.long).t(),)),
+                                             data_loader=DataLoader(seqs, batch_size=1, collate_fn=transposed),
                                              max_grad_norm=1.0, noise_multiplier=1.0, seed=0)
     sizes = []
     for (ids,) in itertools.islice(loader, 12):
