@@ -638,7 +638,6 @@ def test_loader_tensors_laid_out_otherwise_are_told_apart_by_sample(layout):
     view of it passed with one sample released at 1.7 C, and a view_as_real of complex features was refused
     (regression review). Rows are now told by where each sample's elements lie."""
     from torch.nn.utils.rnn import pad_sequence
-    from torch.utils.data import TensorDataset
 
     from reference import clipped_sum_reference, sample_loss
 
