@@ -56,6 +56,15 @@ def _memory_of(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+def _samples_first(t: torch.Tensor, size: Optional[int]) -> torch.Tensor:
+    """``t`` with its samples on dim 0: where dim 0 is not ``size`` long (a time-first (T, B, ...)
+    collate) but exactly one other dim is, a view with that dim moved first."""
+    if size is None or t.layout != torch.strided or t.is_nested or t.shape[0] == size:
+        return t
+    dims = [k for k, n in enumerate(t.shape) if n == size]
+    return t.movedim(dims[0], 0) if len(dims) == 1 else t
+
+
 def steps_per_epoch(sample_rate: float) -> int:
     """Poisson batches that make an epoch at ``sample_rate``: ``round(1 / q)``, at least one."""
     return max(1, round(1 / sample_rate))
@@ -285,10 +294,10 @@ class BatchLedger:
             for u in (t, t._base):
                 if u is not None:
                     self.handed[u] = self.taken
-            if t.dim() and (size is None or t.shape[0] == size):  # not a tensor all samples share (positions)
-                by_root.setdefault(t if t._base is None else t._base, []).append(t)
+            if t.dim():
+                by_root.setdefault(t if t._base is None else t._base, []).append(_samples_first(t, size))
         for root, tensors in by_root.items():
-            self.layouts[root] = SampleLayout(tensors, self.handouts)
+            self.layouts[root] = SampleLayout(tensors, self.handouts, size)
             if root.layout == torch.strided and not root.is_nested:  # aliases (x.detach(), x.data) find it
                 self._roots[_memory_of(root)] = weakref.ref(root)
 

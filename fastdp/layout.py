@@ -55,11 +55,14 @@ def _arithmetic(first: torch.Tensor) -> Optional[Rows]:
 
 class SampleLayout:
     """The samples of ``handed``, the tensors of one batch on one memory (dim 0 the samples of each);
-    ``batch`` names the batch (or chunk) they were handed out in."""
+    ``batch`` names the batch (or chunk) they were handed out in, ``size`` its samples (None: unknown)."""
 
-    def __init__(self, handed: List[torch.Tensor], batch: int):
+    def __init__(self, handed: List[torch.Tensor], batch: int, size: Optional[int] = None):
         self.batch = batch
         self._known = all(_strided(t) for t in handed)
+        # some tensor's rows are not the batch's samples (a collate's torch.arange(T), or items dropped):
+        # an expanded view of them is what all samples share, not one sample repeated
+        self._foreign_rows = size is not None and any(t.shape[0] != size for t in handed)
         self._handed = handed if self._known else []
         self._grid = self._sample_grid() if self._known else None
         self._labels: Optional[Tuple[torch.Tensor, int, int]] = None  # (labels, first byte, bytes each)
@@ -93,6 +96,8 @@ class SampleLayout:
             return 0, 1, 0
         if x.numel() == 0:
             return UNKNOWN  # rows without elements: nothing places them
+        if self._foreign_rows and x.shape[0] > 1 and x.stride(0) == 0:
+            return UNKNOWN
         return self._rows_on_grid(x) if self._grid is not None else self._rows_by_label(x)
 
     def _rows_on_grid(self, x: torch.Tensor) -> Union[Rows, str, None]:

@@ -798,6 +798,40 @@ def test_a_tensor_the_collate_hands_out_for_all_samples_is_not_taken_for_samples
     opt.step()
 
 
+@pytest.mark.parametrize("case", ["items dropped, shifted", "time first, transposed", "time first, reshaped"])
+def test_batch_tensors_whose_dim_0_is_not_the_sampled_count_keep_their_checks(case):
+    """Fifth review: after tensors whose dim 0 is not the number of sampled indices lost their layout,
+    a collate dropping invalid items let a(x[1:]) beside b(x[:-1]) pass (1.42 C), and a time-first
+    (T, B, d) collate let a reshape that mixes samples pass (4.7 C). Now the dim of the batch's length
+    is their sample dim (time first), or dim 0 (items dropped); expanded views of them stay unknown."""
+    from torch.utils.data import DataLoader
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(2, 1), nn.Linear(2, 1)
+
+    def collate(items):
+        if case == "items dropped, shifted":
+            return (torch.stack(items[:-1]) if len(items) > 1 else torch.zeros(0, 2),)
+        return (torch.stack(items, 1) if items else torch.zeros(3, 0, 2),)  # (T, B, d)
+
+    data = [torch.randn(2) if case == "items dropped, shifted" else torch.randn(3, 2) for _ in range(40)]
+    model = Two()
+    model, opt, loader = fastdp.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+                                             data_loader=DataLoader(data, batch_size=8, collate_fn=collate),
+                                             max_grad_norm=1.0, noise_multiplier=0.0, seed=5)
+    (x,) = next(b for b in loader if b[0].shape[0 if case == "items dropped, shifted" else 1] > 4)
+    if case == "time first, transposed":
+        model.a(x.transpose(0, 1)).sum().backward()
+        opt.step()
+        return
+    loss = {"items dropped, shifted": lambda: (model.a(x[1:]) * model.b(x[:-1])).sum(),
+            "time first, reshaped": lambda: model.a(x.reshape(x.shape[1], 3, 2)).sum()}[case]
+    with pytest.raises(fastdp.UnsupportedModuleError, match="saw other samples|not one sample each"):
+        loss().backward()
+
+
 class _Real(nn.Module):
     def forward(self, z):
         return torch.view_as_real(z)
