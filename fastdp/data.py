@@ -15,14 +15,17 @@
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import operator
+import random
 import warnings
 import weakref
 from collections import deque
+from itertools import repeat
 from collections.abc import Mapping
-from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optional
+from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -56,13 +59,54 @@ def _memory_of(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def _samples_first(t: torch.Tensor, size: Optional[int]) -> torch.Tensor:
-    """``t`` with its samples on dim 0: where dim 0 is not ``size`` long (a time-first (T, B, ...)
-    collate) but exactly one other dim is, a view with that dim moved first."""
-    if size is None or t.layout != torch.strided or t.is_nested or t.shape[0] == size:
-        return t
-    dims = [k for k, n in enumerate(t.shape) if n == size]
-    return t.movedim(dims[0], 0) if len(dims) == 1 else t
+SHARED = "shared"  # a collated tensor's sample dim where it has none: what all samples share (positions)
+SampleDim = Tuple[int, Union[int, str, None]]  # (dims of the tensor, its sample dim, SHARED, or None: untold)
+
+
+def probe_collate(dataset: Dataset, collate_fn: Callable) -> Tuple[Any, Any]:
+    """The dataset's first example collated alone and twice over, with torch's, numpy's and
+    Python's global random generators left as they were (random transforms draw nothing)."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[]):
+            example = dataset[0]
+            return collate_fn([example]), collate_fn([example, example])
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+
+
+def sample_dims(one: Any, two: Any) -> Optional[List[SampleDim]]:
+    """Per tensor of a collated batch (in :func:`_tensors_in`'s order), where its samples lie, told
+    from the batch collated from one example (``one``) and from two (``two``): the one dim that
+    is one longer in ``two``; :data:`SHARED` where the shapes agree. None where the two batches
+    hold different tensors."""
+    ones, twos = list(_tensors_in(one)), list(_tensors_in(two))
+    if len(ones) != len(twos):
+        return None
+    dims = []
+    for a, b in zip(ones, twos):
+        grown = [k for k, (m, n) in enumerate(zip(a.shape, b.shape)) if m != n]
+        if a.dim() != b.dim():
+            dims.append((a.dim(), None))
+        elif not grown:
+            dims.append((a.dim(), SHARED))
+        else:
+            k = grown[0]
+            dims.append((a.dim(), k if len(grown) == 1 and b.shape[k] == a.shape[k] + 1 else None))
+    return dims
+
+
+def _samples_first(t: torch.Tensor, dim: SampleDim, size: Optional[int]) -> Optional[torch.Tensor]:
+    """``t`` with its samples on dim 0 (a view), or None where it holds no row per sample: ``dim``
+    from :func:`sample_dims`; where that does not tell, dim 0 if it is ``size`` long (the batch's
+    sampled count)."""
+    ndim, k = dim
+    if t.dim() == 0 or (ndim == t.dim() and k == SHARED):
+        return None
+    if ndim == t.dim() and isinstance(k, int):
+        return t.movedim(k, 0) if k else t
+    return t if size is None or t.shape[0] == size else None
 
 
 def steps_per_epoch(sample_rate: float) -> int:
@@ -190,18 +234,20 @@ class PoissonBatchSampler(Sampler[List[int]]):
         self.position = int(state["position"])
 
 
-def _empty_like(batch: Any) -> Any:
-    """``batch`` (a collated batch of one example) cut to zero examples. A leaf it cannot cut
-    is refused: left as it was, the example would be trained on in an empty batch's step."""
+def _empty_like(batch: Any, dims: Iterator[SampleDim]) -> Any:
+    """``batch`` (a collated batch of one example) cut to zero examples: each tensor on its sample
+    dim (``dims``, from :func:`sample_dims`), others on dim 0. A leaf it cannot cut is refused:
+    left as it was, the example would be trained on in an empty batch's step."""
     if isinstance(batch, (torch.Tensor, np.ndarray)) and batch.ndim > 0:
-        return batch[:0]
+        ndim, k = next(dims, (0, None)) if isinstance(batch, torch.Tensor) else (0, None)
+        return batch.narrow(k, 0, 0) if ndim == batch.ndim and isinstance(k, int) else batch[:0]
     if isinstance(batch, Mapping):
-        items = {k: _empty_like(v) for k, v in batch.items()}
+        items = {k: _empty_like(v, dims) for k, v in batch.items()}
         return items if type(batch) is dict else type(batch)(items)
     if isinstance(batch, (list, tuple)):
         if not hasattr(batch, "_fields") and all(isinstance(v, (str, bytes)) for v in batch):
             return type(batch)()  # per-example strings (default_collate keeps them as a list or tuple)
-        items = [_empty_like(v) for v in batch]
+        items = [_empty_like(v, dims) for v in batch]
         return type(batch)(items) if not hasattr(batch, "_fields") else type(batch)(*items)
     kind = f"0-dim {type(batch).__name__}" if isinstance(batch, (torch.Tensor, np.ndarray)) else type(batch).__name__
     raise TypeError(
@@ -233,7 +279,8 @@ class EmptySafeCollate:
 
     def __call__(self, samples):
         if len(samples) == 0:
-            return _empty_like(self.collate_fn([self.dataset[0]]))
+            one, two = probe_collate(self.dataset, self.collate_fn)
+            return _empty_like(one, iter(sample_dims(one, two) or ()))
         return self.collate_fn(samples)
 
 
@@ -246,10 +293,13 @@ class BatchLedger:
     tensors of each batch handed out are remembered (weakly) with its number, so a backward
     pass whose layers see one of them is attributed to that batch, however old."""
 
-    def __init__(self, taken: int = 0, released: Optional[List[int]] = None):
+    def __init__(self, taken: int = 0, released: Optional[List[int]] = None,
+                 probe: Optional[Callable[[], Tuple[Any, Any]]] = None):
         # batches of the sampler's seed (and stream) released by steps in this process, shared with every
         # loader of that seed (PoissonBatchSampler.released_count): batch number n is its index n - 1
         self.released = released
+        self._probe = probe  # the collate's batches of one example and of two (probe_collate), asked once
+        self._sample_dims: Optional[List[SampleDim]] = None
         self._warned_replay = False
         self.restart(taken)
 
@@ -289,17 +339,32 @@ class BatchLedger:
         self.last_chunk = size
         self.batch_samples = None if size is None or self.batch_samples is None else self.batch_samples + size
         self.handouts += 1
-        by_root = TensorMap()  # root -> the tensors of this batch (or chunk) on its memory
-        for t in _tensors_in(batch):
+        by_root = TensorMap()  # root -> the tensors of this batch (or chunk) on its memory, samples on dim 0
+        tensors = list(_tensors_in(batch))
+        dims = self._dims()
+        for t, dim in zip(tensors, dims if dims is not None and len(dims) == len(tensors) else repeat((0, None))):
             for u in (t, t._base):
                 if u is not None:
                     self.handed[u] = self.taken
-            if t.dim():
-                by_root.setdefault(t if t._base is None else t._base, []).append(_samples_first(t, size))
-        for root, tensors in by_root.items():
-            self.layouts[root] = SampleLayout(tensors, self.handouts, size)
+            samples = _samples_first(t, dim, size)
+            if samples is not None:
+                by_root.setdefault(t if t._base is None else t._base, []).append(samples)
+        for root, on_root in by_root.items():
+            self.layouts[root] = SampleLayout(on_root, self.handouts)
             if root.layout == torch.strided and not root.is_nested:  # aliases (x.detach(), x.data) find it
                 self._roots[_memory_of(root)] = weakref.ref(root)
+
+    def _dims(self) -> Optional[List[SampleDim]]:
+        """Where the samples of each tensor the collate returns lie (:func:`sample_dims`), probed at the
+        first batch; None where the collate cannot be probed (a tensor's dim 0 is then its samples
+        where it has the batch's length)."""
+        if self._probe is not None:
+            probe, self._probe = self._probe, None
+            try:
+                self._sample_dims = sample_dims(*probe())
+            except Exception:  # a collate that takes no batch of one example: dim 0 as above
+                self._sample_dims = None
+        return self._sample_dims
 
     def traced_batches(self, tensors: Iterable[torch.Tensor]) -> set:
         """The batches of the handed-out tensors among ``tensors`` (the inputs a backward pass's
@@ -371,7 +436,8 @@ class PoissonDataLoader(DataLoader):
 
     def __init__(self, dataset: Dataset, batch_sampler: PoissonBatchSampler, **kwargs):
         super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
-        self.ledger = BatchLedger(batch_sampler.position, batch_sampler.released_count())
+        self.ledger = BatchLedger(batch_sampler.position, batch_sampler.released_count(),
+                                  functools.partial(probe_collate, dataset, self.collate_fn))
 
     @property
     def batches_consumed(self) -> int:

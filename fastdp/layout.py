@@ -44,6 +44,31 @@ def _offset(t: torch.Tensor) -> int:
     return t.storage_offset() * t.element_size()
 
 
+class _Placement:
+    """Where a handed-out tensor lies, without its memory (holding the tensors would keep every
+    batch alive): the shape, strides, offset and element size that ``_reach``, ``_offset`` and the
+    label writer read, under the tensor's own method names."""
+
+    __slots__ = ("shape", "_stride", "_offset", "_size", "device", "overlaps")
+
+    def __init__(self, t: torch.Tensor):
+        self.shape, self._stride, self._offset, self._size = t.shape, t.stride(), t.storage_offset(), t.element_size()
+        self.device = t.device
+        self.overlaps = torch._debug_has_internal_overlap(t) == 1  # some element is written twice through t
+
+    def stride(self, dim: Optional[int] = None):
+        return self._stride if dim is None else self._stride[dim]
+
+    def storage_offset(self) -> int:
+        return self._offset
+
+    def element_size(self) -> int:
+        return self._size
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
 def _arithmetic(first: torch.Tensor) -> Optional[Rows]:
     """``(start, step, count)`` of sample indices that step up evenly, else None."""
     count, start = first.numel(), int(first[0])
@@ -55,15 +80,12 @@ def _arithmetic(first: torch.Tensor) -> Optional[Rows]:
 
 class SampleLayout:
     """The samples of ``handed``, the tensors of one batch on one memory (dim 0 the samples of each);
-    ``batch`` names the batch (or chunk) they were handed out in, ``size`` its samples (None: unknown)."""
+    ``batch`` names the batch (or chunk) they were handed out in."""
 
-    def __init__(self, handed: List[torch.Tensor], batch: int, size: Optional[int] = None):
+    def __init__(self, handed: List[torch.Tensor], batch: int):
         self.batch = batch
         self._known = all(_strided(t) for t in handed)
-        # some tensor's rows are not the batch's samples (a collate's torch.arange(T), or items dropped):
-        # an expanded view of them is what all samples share, not one sample repeated
-        self._foreign_rows = size is not None and any(t.shape[0] != size for t in handed)
-        self._handed = handed if self._known else []
+        self._handed = [_Placement(t) for t in handed] if self._known else []
         self._grid = self._sample_grid() if self._known else None
         self._labels: Optional[Tuple[torch.Tensor, int, int]] = None  # (labels, first byte, bytes each)
 
@@ -96,8 +118,6 @@ class SampleLayout:
             return 0, 1, 0
         if x.numel() == 0:
             return UNKNOWN  # rows without elements: nothing places them
-        if self._foreign_rows and x.shape[0] > 1 and x.stride(0) == 0:
-            return UNKNOWN
         return self._rows_on_grid(x) if self._grid is not None else self._rows_by_label(x)
 
     def _rows_on_grid(self, x: torch.Tensor) -> Union[Rows, str, None]:
@@ -151,8 +171,8 @@ class SampleLayout:
                 region = labels.as_strided((*t.shape, per), (*(s * per for s in t.stride()), 1),
                                            (_offset(t) - low) // unit)
                 sample = torch.arange(t.shape[0], dtype=torch.int32, device=device)
-                sample = sample.view(-1, *[1] * t.dim()).expand(region.shape)
-                if torch._debug_has_internal_overlap(t) == 1:  # t overlaps itself: no write through its strides
+                sample = sample.view(-1, *[1] * len(t.shape)).expand(region.shape)
+                if t.overlaps:  # no write through its strides
                     _label_overlapping(labels, region)
                     continue
                 merged = torch.where((region == _FREE) | (region == sample), sample, _SHARED)

@@ -11,8 +11,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 import fastdp
-from fastdp.data import (BatchMemoryManager, EmptySafeCollate, PoissonBatchSampler, PoissonDataLoader,
-                         poisson_loader, uniform_subset)
+from fastdp.data import (SHARED, BatchLedger, BatchMemoryManager, EmptySafeCollate, PoissonBatchSampler,
+                         PoissonDataLoader, poisson_loader, probe_collate, sample_dims, uniform_subset)
 
 
 class DictDataset(Dataset):
@@ -126,6 +126,69 @@ def test_dict_batches_with_custom_collate_and_empty_batches():
     full = [b for b in batches if len(b["index"])]
     for b in full:
         assert torch.equal(b["x"], data.x[b["index"]])
+
+
+def test_the_collate_tells_where_each_tensors_samples_lie():
+    """sample_dims compares the collate's batch of one example with its batch of two: the dim one longer
+    holds the samples (time first, items dropped); a tensor of the same shape is shared (positions)."""
+    def collate(items):
+        x = torch.stack(items, 1)  # (T, B, d)
+        return {"x": x, "kept": x[:, :-1].transpose(0, 1), "positions": torch.arange(3)[None], "packed": x.flatten(0, 1)}
+
+    one, two = probe_collate([torch.randn(3, 2)], collate)
+    assert sample_dims(one, two) == [(3, 1), (3, 0), (2, SHARED), (2, None)]
+    assert sample_dims(one, (two["x"],)) is None  # other tensors: nothing told
+    empty = EmptySafeCollate([torch.randn(3, 2)], collate)([])
+    assert empty["x"].shape == (3, 0, 2) and empty["kept"].shape == (0, 3, 2)  # cut on their sample dims
+
+
+def test_the_collate_probe_leaves_the_global_random_generators_alone():
+    import random
+
+    class Augmented(Dataset):
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return torch.rand(2) + random.random() + float(np.random.rand())
+
+    states = lambda: (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())  # noqa: E731
+    before = states()
+    probe_collate(Augmented(), torch.stack)
+    after = states()
+    assert torch.equal(before[0], after[0]) and before[1] == after[1] and np.array_equal(before[2], after[2])
+
+
+def test_a_collate_that_cannot_be_probed_leaves_dim_0_the_samples_where_it_has_the_batchs_length():
+    def refuse():
+        raise ValueError("no batches of one example")
+
+    ledger = BatchLedger(probe=refuse)
+    batch_first, time_first = torch.randn(5, 3), torch.randn(3, 5, 2)
+    ledger.take((batch_first, time_first), size=5)
+    assert ledger.sample_layout(batch_first) is not None and ledger.sample_layout(time_first) is None
+
+
+def test_batches_are_not_kept_alive_by_the_ledger():
+    """The sample layouts held every batch handed out for the whole run (sixth review: resident memory
+    grew by each batch's size every step); they keep only where the tensors lay."""
+    import gc
+    import weakref
+
+    model = nn.Linear(4, 1)
+    model, opt, loader = fastdp.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+        data_loader=DataLoader(TensorDataset(torch.randn(64, 4)), batch_size=8), max_grad_norm=1.0,
+        noise_multiplier=1.0, seed=3)
+    batches = []
+    for (x,) in loader:
+        batches.append(weakref.ref(x))
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+    del x
+    gc.collect()
+    assert len(batches) == 8 and sum(b() is not None for b in batches) == 0
 
 
 def test_empty_batch_still_steps_and_adds_noise():

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fastdp
+from fastdp.clipping import EPS
 
 
 def make(model, **kw):
@@ -772,10 +773,12 @@ def test_the_samples_of_a_batch_are_told_across_its_tensors_dtypes_and_aliases(c
         loss().backward()
 
 
-def test_a_tensor_the_collate_hands_out_for_all_samples_is_not_taken_for_samples():
+@pytest.mark.parametrize("positions", [torch.arange(3), torch.arange(3)[None]])
+def test_a_tensor_the_collate_hands_out_for_all_samples_is_not_taken_for_samples(positions):
     """A collate returning (tokens, torch.arange(T)) and a model expanding the positions to the batch, as
     the README advises, was refused: every tensor of the batch was read as one sample per row (fourth
-    regression review). Only tensors with a row per sample of the batch are."""
+    regression review); where B = T, and for (1, T) positions where B = T, it still was (sixth review).
+    Only tensors with a row per sample of the batch are, as the collate tells."""
     from torch.utils.data import DataLoader
 
     class Positions(nn.Module):
@@ -786,48 +789,62 @@ def test_a_tensor_the_collate_hands_out_for_all_samples_is_not_taken_for_samples
         def forward(self, tokens, positions):
             return self.wte(tokens) + self.wpe(positions.expand(len(tokens), -1))
 
-    data = [torch.randint(0, 9, (3,)) for _ in range(40)]
+    data = [torch.randint(0, 9, (3,)) for _ in range(60)]
     model = Positions()
     model, opt, loader = fastdp.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-        data_loader=DataLoader(data, batch_size=7, collate_fn=lambda b: (
-            torch.stack(b) if b else torch.zeros(0, 3, dtype=torch.long), torch.arange(3))),
+        data_loader=DataLoader(data, batch_size=3, collate_fn=lambda b: (
+            torch.stack(b) if b else torch.zeros(0, 3, dtype=torch.long), positions)),
         max_grad_norm=1.0, noise_multiplier=0.0, seed=1)
-    tokens, positions = next(b for b in loader if len(b[0]) not in (0, 3))
-    model(tokens, positions).sum().backward()
-    opt.step()
+    sizes = set()
+    for tokens, handed in loader:
+        if len(tokens):  # an empty batch cuts the positions too (nothing of the example is kept)
+            model(tokens, handed).sum().backward()
+        opt.step()
+        sizes.add(len(tokens))
+    assert {1, 3} <= sizes
 
 
-@pytest.mark.parametrize("case", ["items dropped, shifted", "time first, transposed", "time first, reshaped"])
+@pytest.mark.parametrize("case", ["items dropped, shifted", "items dropped, expanded", "items dropped, d = B",
+                                  "time first, transposed", "time first, reshaped"])
 def test_batch_tensors_whose_dim_0_is_not_the_sampled_count_keep_their_checks(case):
     """Fifth review: after tensors whose dim 0 is not the number of sampled indices lost their layout,
     a collate dropping invalid items let a(x[1:]) beside b(x[:-1]) pass (1.42 C), and a time-first
-    (T, B, d) collate let a reshape that mixes samples pass (4.7 C). Now the dim of the batch's length
-    is their sample dim (time first), or dim 0 (items dropped); expanded views of them stay unknown."""
+    (T, B, d) collate let a reshape that mixes samples pass (4.7 C). Sixth review: its fix took the dim
+    of the batch's length for the samples, so an items-dropped batch whose d equalled the sampled count
+    was refused, and one sample expanded over such a batch passed (7 C). The collate tells the dims."""
     from torch.utils.data import DataLoader
 
     class Two(nn.Module):
-        def __init__(self):
+        def __init__(self, d):
             super().__init__()
-            self.a, self.b = nn.Linear(2, 1), nn.Linear(2, 1)
+            self.a, self.b = nn.Linear(d, 1), nn.Linear(d, 1)
+
+    dropped = case.startswith("items dropped")
+    d = 8 if dropped else 2
 
     def collate(items):
-        if case == "items dropped, shifted":
-            return (torch.stack(items[:-1]) if len(items) > 1 else torch.zeros(0, 2),)
-        return (torch.stack(items, 1) if items else torch.zeros(3, 0, 2),)  # (T, B, d)
+        if dropped:
+            return (torch.stack(items[:-1]) if len(items) > 1 else torch.zeros(0, d),)
+        return (torch.stack(items, 1) if items else torch.zeros(3, 0, d),)  # (T, B, d)
 
-    data = [torch.randn(2) if case == "items dropped, shifted" else torch.randn(3, 2) for _ in range(40)]
-    model = Two()
+    data = [torch.randn(d) if dropped else torch.randn(3, d) for _ in range(200)]
+    model = Two(d)
     model, opt, loader = fastdp.make_private(module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
                                              data_loader=DataLoader(data, batch_size=8, collate_fn=collate),
                                              max_grad_norm=1.0, noise_multiplier=0.0, seed=5)
-    (x,) = next(b for b in loader if b[0].shape[0 if case == "items dropped, shifted" else 1] > 4)
-    if case == "time first, transposed":
-        model.a(x.transpose(0, 1)).sum().backward()
+    sampled = (lambda b: len(b[0]) + 1) if dropped else (lambda b: b[0].shape[1])
+    for (x,) in loader:  # step past batches of other sizes
+        if (sampled((x,)) == d) if case == "items dropped, d = B" else sampled((x,)) > 4:
+            break
+        opt.step()
+    if case in ("time first, transposed", "items dropped, d = B"):
+        model.a(x.transpose(0, 1) if case == "time first, transposed" else x).sum().backward()
         opt.step()
         return
     loss = {"items dropped, shifted": lambda: (model.a(x[1:]) * model.b(x[:-1])).sum(),
-            "time first, reshaped": lambda: model.a(x.reshape(x.shape[1], 3, 2)).sum()}[case]
+            "items dropped, expanded": lambda: model.a(x[:1].expand(len(x), d)).sum(),
+            "time first, reshaped": lambda: model.a(x.reshape(x.shape[1], 3, d)).sum()}[case]
     with pytest.raises(fastdp.UnsupportedModuleError, match="saw other samples|not one sample each"):
         loss().backward()
 
@@ -1334,3 +1351,38 @@ def test_a_frozen_parametrization_is_computed_once_and_left_unchanged():
     model(x).sum().backward()
     opt.step()
     assert len(calls) == 1 and opt.steps == 1
+
+
+@pytest.mark.parametrize("chunks", [False, True])
+def test_time_first_batches_are_exact_and_checked_whatever_their_lengths(chunks):
+    """Sixth review: a time-first (T, B, d) batch's samples were taken to lie on its one dim of the
+    batch's length: where T or d equalled B (every chunk of BatchMemoryManager with d equal to its
+    size) the transposed batch was refused and the batch used directly passed (T C for one sample).
+    The collate is now asked where the samples lie (a batch of one example against one of two)."""
+    from torch.utils.data import DataLoader
+
+    T = d = 4
+    data = [torch.randn(T, d, dtype=torch.float64) for _ in range(60)]
+    model = nn.Linear(d, 1, bias=False).double()
+    model, opt, loader = fastdp.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        data_loader=DataLoader(data, batch_size=4, collate_fn=lambda items: torch.stack(items, 1)),
+        max_grad_norm=1.0, noise_multiplier=0.0, seed=2, loss_reduction="sum")
+    manager = fastdp.BatchMemoryManager(data_loader=loader, max_physical_batch_size=4, optimizer=opt)
+    sizes, want, compared = set(), torch.zeros_like(model.weight), 0
+    for x in (manager if chunks else loader):
+        opt.zero_grad()
+        if x.shape[1] > 1:
+            with pytest.raises(fastdp.UnsupportedModuleError, match="not one sample each"):
+                model(x).sum().backward()
+            opt.zero_grad()
+        model(x.transpose(0, 1)).sum().backward()
+        for i in range(x.shape[1]):  # per-sample gradients, clipped to 1
+            g = x[:, i].sum(0)
+            want += g * min(1.0, 1.0 / (float(g.norm()) + EPS))
+        opt.step()
+        sizes.add(x.shape[1])
+        if model.weight.grad is not None:  # the logical batch's step
+            torch.testing.assert_close(model.weight.grad, want / 4, rtol=1e-12, atol=1e-12)
+            want, compared = torch.zeros_like(want), compared + 1
+    assert {1, T} <= sizes and compared == 15
