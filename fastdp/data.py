@@ -9,13 +9,14 @@
 * Empty batches are yielded as zero-length tensors shaped like a real batch
   (:class:`EmptySafeCollate`): the step still runs, adds noise and counts for the
   accountant.
+* :class:`SampleDimsCollate` tells, with each batch, which dim of each tensor holds its
+  samples (:func:`sample_dims`), for the engine's check that each row a layer sees is one.
 * :class:`BatchMemoryManager` cuts each logical (Poisson) batch into physical chunks of
   at most ``max_physical_batch_size`` and makes the optimizer take one noisy step per
   logical batch.
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import math
 import operator
@@ -23,9 +24,9 @@ import random
 import warnings
 import weakref
 from collections import deque
-from itertools import repeat
 from collections.abc import Mapping
-from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optional, Tuple, Union
+from itertools import repeat
+from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -61,34 +62,49 @@ def _memory_of(t: torch.Tensor) -> int:
 
 SHARED = "shared"  # a collated tensor's sample dim where it has none: what all samples share (positions)
 SampleDim = Tuple[int, Union[int, str, None]]  # (dims of the tensor, its sample dim, SHARED, or None: untold)
+UNTOLD: SampleDim = (-1, None)
 
 
-def probe_collate(dataset: Dataset, collate_fn: Callable) -> Tuple[Any, Any]:
-    """The dataset's first example collated alone and twice over, with torch's, numpy's and
-    Python's global random generators left as they were (random transforms draw nothing)."""
-    python_state, numpy_state = random.getstate(), np.random.get_state()
+def _global_generators() -> tuple:
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda, np.random.get_state(), random.getstate()
+
+
+def _restore_generators(state: tuple) -> None:
+    cpu, cuda, numpy_state, python_state = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
+    np.random.set_state(numpy_state)
+    random.setstate(python_state)
+
+
+def probe_collate(collate_fn: Callable, example: Any) -> Tuple[Any, Any]:
+    """``example`` collated alone and twice over, each from the same state of the global random
+    generators (torch's CPU and initialised CUDA ones, numpy's, Python's), which are left as they
+    were: a collate drawing from them (a random crop) draws alike in both."""
+    state = _global_generators()
     try:
-        with torch.random.fork_rng(devices=[]):
-            example = dataset[0]
-            return collate_fn([example]), collate_fn([example, example])
+        one = collate_fn([example])
+        _restore_generators(state)
+        return one, collate_fn([example, example])
     finally:
-        random.setstate(python_state)
-        np.random.set_state(numpy_state)
+        _restore_generators(state)
 
 
 def sample_dims(one: Any, two: Any) -> Optional[List[SampleDim]]:
     """Per tensor of a collated batch (in :func:`_tensors_in`'s order), where its samples lie, told
     from the batch collated from one example (``one``) and from two (``two``): the one dim that
-    is one longer in ``two``; :data:`SHARED` where the shapes agree. None where the two batches
-    hold different tensors."""
+    is one longer in ``two``; :data:`SHARED` where the shapes agree and hold elements; else
+    untold. None where the two batches hold different numbers of tensors."""
     ones, twos = list(_tensors_in(one)), list(_tensors_in(two))
     if len(ones) != len(twos):
         return None
     dims = []
     for a, b in zip(ones, twos):
         grown = [k for k, (m, n) in enumerate(zip(a.shape, b.shape)) if m != n]
-        if a.dim() != b.dim():
-            dims.append((a.dim(), None))
+        if a.dim() != b.dim() or (not grown and not a.numel()):  # an example the collate dropped tells nothing
+            dims.append(UNTOLD)
         elif not grown:
             dims.append((a.dim(), SHARED))
         else:
@@ -97,16 +113,20 @@ def sample_dims(one: Any, two: Any) -> Optional[List[SampleDim]]:
     return dims
 
 
-def _samples_first(t: torch.Tensor, dim: SampleDim, size: Optional[int]) -> Optional[torch.Tensor]:
-    """``t`` with its samples on dim 0 (a view), or None where it holds no row per sample: ``dim``
-    from :func:`sample_dims`; where that does not tell, dim 0 if it is ``size`` long (the batch's
-    sampled count)."""
+def _samples_first(t: torch.Tensor, dim: SampleDim, size: Optional[int]) -> Tuple[Optional[torch.Tensor], bool]:
+    """``(t with its samples on dim 0, or None where it holds no row per sample; whether its rows may
+    not all be samples)``: ``dim`` from :func:`sample_dims`; where that does not tell, guessed from
+    the lengths: dim 0 if it is ``size`` long (the batch's sampled count), else the one dim that is,
+    else dim 0 (rows of items the collate dropped, or of what the samples share)."""
     ndim, k = dim
     if t.dim() == 0 or (ndim == t.dim() and k == SHARED):
-        return None
+        return None, False
     if ndim == t.dim() and isinstance(k, int):
-        return t.movedim(k, 0) if k else t
-    return t if size is None or t.shape[0] == size else None
+        return (t.movedim(k, 0) if k else t), False
+    if size is None or t.shape[0] == size or t.layout != torch.strided or t.is_nested:
+        return t, False
+    lengths = [j for j, n in enumerate(t.shape) if n == size]
+    return (t.movedim(lengths[0], 0), False) if len(lengths) == 1 else (t, True)
 
 
 def steps_per_epoch(sample_rate: float) -> int:
@@ -236,10 +256,14 @@ class PoissonBatchSampler(Sampler[List[int]]):
 
 def _empty_like(batch: Any, dims: Iterator[SampleDim]) -> Any:
     """``batch`` (a collated batch of one example) cut to zero examples: each tensor on its sample
-    dim (``dims``, from :func:`sample_dims`), others on dim 0. A leaf it cannot cut is refused:
-    left as it was, the example would be trained on in an empty batch's step."""
+    dim (``dims``, from :func:`sample_dims`), a tensor all samples share (positions) left whole,
+    others on dim 0. A leaf it cannot cut is refused: left as it was, the example would be trained
+    on in an empty batch's step (a shared tensor reaches the layers only as rows of samples, which
+    the engine checks: none here)."""
     if isinstance(batch, (torch.Tensor, np.ndarray)) and batch.ndim > 0:
-        ndim, k = next(dims, (0, None)) if isinstance(batch, torch.Tensor) else (0, None)
+        ndim, k = next(dims, UNTOLD) if isinstance(batch, torch.Tensor) else UNTOLD
+        if ndim == batch.ndim and k == SHARED:
+            return batch
         return batch.narrow(k, 0, 0) if ndim == batch.ndim and isinstance(k, int) else batch[:0]
     if isinstance(batch, Mapping):
         items = {k: _empty_like(v, dims) for k, v in batch.items()}
@@ -278,10 +302,60 @@ class EmptySafeCollate:
         self.dataset, self.collate_fn = dataset, collate_fn
 
     def __call__(self, samples):
+        return self.collate_fn(samples) if len(samples) else self._empty()[0]
+
+    def _empty(self) -> Tuple[Any, Optional[List[SampleDim]]]:
+        """An empty batch and where its tensors' samples lie (:func:`sample_dims`)."""
+        one, two = probe_collate(self.collate_fn, self.dataset[0])
+        dims = sample_dims(one, two)
+        return _empty_like(one, iter(dims or ())), dims
+
+
+class Collated(NamedTuple):
+    """A batch from :class:`SampleDimsCollate` with where its tensors' samples lie (:func:`sample_dims`;
+    None: untold, ``failure`` saying why where the collate raised)."""
+    batch: Any
+    dims: Optional[List[SampleDim]]
+    failure: Optional[str]
+
+
+class SampleDimsCollate(EmptySafeCollate):
+    """An :class:`EmptySafeCollate` whose batches come as :class:`Collated`, told by collating an
+    example of the batch alone and twice over (:func:`probe_collate`; for a dataset with
+    ``__getitems__``, whose return the collate takes, its example 0); the Poisson loader and
+    :class:`BatchMemoryManager` hand out the batch and give the dims to the :class:`BatchLedger`."""
+
+    def __init__(self, dataset: Dataset, collate_fn: Callable = default_collate):
+        super().__init__(dataset, collate_fn)
+        self._told: Dict[tuple, List[SampleDim]] = {}  # dims of every tensor, by the batch's tensors' ranks
+
+    def __call__(self, samples) -> Collated:
         if len(samples) == 0:
-            one, two = probe_collate(self.dataset, self.collate_fn)
-            return _empty_like(one, iter(sample_dims(one, two) or ()))
-        return self.collate_fn(samples)
+            return Collated(*self._empty(), None)
+        batch = self.collate_fn(samples)
+        ranks = tuple(t.dim() for t in _tensors_in(batch))
+        if ranks in self._told:  # asked before (saving the generators' states costs ~0.1 ms)
+            return Collated(batch, self._told[ranks], None)
+        collate = self.collate_fn
+        if getattr(self.dataset, "__getitems__", None):  # the loader hands the collate what this returns
+            collate = lambda indices: self.collate_fn(self.dataset.__getitems__(indices))  # noqa: E731
+            samples = [0, len(self.dataset) - 1]
+        try:
+            tries = [samples[i] for i in dict.fromkeys((0, len(samples) - 1, len(samples) // 2))]
+            for example in tries:  # the next where the collate drops the example (an invalid one) or else
+                dims = sample_dims(*probe_collate(collate, example))
+                if example is tries[0]:
+                    told = dims
+                if dims is not None and all(isinstance(k, int) or k == SHARED for _, k in dims):
+                    self._told[ranks] = dims
+                    return Collated(batch, dims, None)
+            return Collated(batch, told, None)
+        except Exception as error:  # a collate that takes no batch of one example: guessed from lengths
+            return Collated(batch, None, f"{type(error).__name__}: {error}")
+
+
+def _unpacked(item: Any) -> Collated:
+    return item if isinstance(item, Collated) else Collated(item, None, None)
 
 
 class BatchLedger:
@@ -293,14 +367,11 @@ class BatchLedger:
     tensors of each batch handed out are remembered (weakly) with its number, so a backward
     pass whose layers see one of them is attributed to that batch, however old."""
 
-    def __init__(self, taken: int = 0, released: Optional[List[int]] = None,
-                 probe: Optional[Callable[[], Tuple[Any, Any]]] = None):
+    def __init__(self, taken: int = 0, released: Optional[List[int]] = None):
         # batches of the sampler's seed (and stream) released by steps in this process, shared with every
         # loader of that seed (PoissonBatchSampler.released_count): batch number n is its index n - 1
         self.released = released
-        self._probe = probe  # the collate's batches of one example and of two (probe_collate), asked once
-        self._sample_dims: Optional[List[SampleDim]] = None
-        self._warned_replay = False
+        self._warned_replay = self._warned_untold = False
         self.restart(taken)
 
     def restart(self, taken: int) -> None:
@@ -314,9 +385,9 @@ class BatchLedger:
         self.last_chunk: Optional[int] = None  # samples in the batch (or chunk) handed out last
         self.batch_samples: Optional[int] = 0  # samples of the batch taken last, over its chunks (None: unknown)
 
-    def take(self, batch: Any, size: Optional[int] = None) -> None:
+    def take(self, batch: Collated, size: Optional[int] = None) -> None:
         """A new batch is handed out (``batch``: what the loop receives, or its first chunk, of
-        ``size`` samples: the length of its index list)."""
+        ``size`` samples: the length of its index list, with where its samples lie)."""
         self.taken += 1
         if self.released is not None and self.taken <= self.released[0] and not self._warned_replay:
             self._warned_replay = True
@@ -332,39 +403,39 @@ class BatchLedger:
         self.batch_samples = 0
         self.hand_out(batch, size)
 
-    def hand_out(self, batch: Any, size: Optional[int] = None) -> None:
-        """Remember the tensors of ``batch`` (or of a chunk of it, of ``size`` samples), and those
+    def hand_out(self, batch: Collated, size: Optional[int] = None) -> None:
+        """Remember the tensors of ``batch.batch`` (or of a chunk of it, of ``size`` samples), and those
         they are views of, as batch ``taken``'s (a layer input that is a view has the root tensor
-        as ``_base``)."""
+        as ``_base``), and where their samples lie."""
         self.last_chunk = size
         self.batch_samples = None if size is None or self.batch_samples is None else self.batch_samples + size
         self.handouts += 1
+        if batch.failure is not None and not self._warned_untold:
+            self._warned_untold = True
+            warnings.warn(
+                f"fastdp could not ask the collate where each tensor's samples lie (collating a batch's first "
+                f"example alone and twice over raised {batch.failure}); the checks that each row a layer sees is "
+                "one sample guess it from the tensors' lengths, which fails where two dims have the batch's length",
+                UserWarning, stacklevel=user_stacklevel())
         by_root = TensorMap()  # root -> the tensors of this batch (or chunk) on its memory, samples on dim 0
-        tensors = list(_tensors_in(batch))
-        dims = self._dims()
-        for t, dim in zip(tensors, dims if dims is not None and len(dims) == len(tensors) else repeat((0, None))):
+        tensors = list(_tensors_in(batch.batch))
+        dims = batch.dims if batch.dims is not None and len(batch.dims) == len(tensors) else repeat(UNTOLD)
+        foreign = set()  # roots with tensors whose rows may not all be samples
+        for t, dim in zip(tensors, dims):
             for u in (t, t._base):
                 if u is not None:
                     self.handed[u] = self.taken
-            samples = _samples_first(t, dim, size)
+            samples, guessed = _samples_first(t, dim, size)
+            root = t if t._base is None else t._base
+            on_root = by_root.setdefault(root, [])
             if samples is not None:
-                by_root.setdefault(t if t._base is None else t._base, []).append(samples)
-        for root, on_root in by_root.items():
-            self.layouts[root] = SampleLayout(on_root, self.handouts)
+                on_root.append(samples)
+            if guessed:
+                foreign.add(id(root))
+        for root, on_root in by_root.items():  # a tensor handed out again without samples loses its old layout
+            self.layouts[root] = SampleLayout(on_root, self.handouts, guessed=id(root) in foreign) if on_root else None
             if root.layout == torch.strided and not root.is_nested:  # aliases (x.detach(), x.data) find it
                 self._roots[_memory_of(root)] = weakref.ref(root)
-
-    def _dims(self) -> Optional[List[SampleDim]]:
-        """Where the samples of each tensor the collate returns lie (:func:`sample_dims`), probed at the
-        first batch; None where the collate cannot be probed (a tensor's dim 0 is then its samples
-        where it has the batch's length)."""
-        if self._probe is not None:
-            probe, self._probe = self._probe, None
-            try:
-                self._sample_dims = sample_dims(*probe())
-            except Exception:  # a collate that takes no batch of one example: dim 0 as above
-                self._sample_dims = None
-        return self._sample_dims
 
     def traced_batches(self, tensors: Iterable[torch.Tensor]) -> set:
         """The batches of the handed-out tensors among ``tensors`` (the inputs a backward pass's
@@ -432,12 +503,12 @@ class PoissonDataLoader(DataLoader):
     """A DataLoader over a :class:`PoissonBatchSampler` that knows how many batches the
     training loop has received (``batches_consumed``), so its :meth:`state_dict` is exact
     even when workers prefetch batches ahead of the loop; its :class:`BatchLedger` serves the
-    optimizer's one-batch-per-step check."""
+    optimizer's one-batch-per-step check. The collate is wrapped in :class:`SampleDimsCollate`."""
 
     def __init__(self, dataset: Dataset, batch_sampler: PoissonBatchSampler, **kwargs):
+        kwargs["collate_fn"] = SampleDimsCollate(dataset, kwargs.get("collate_fn") or default_collate)
         super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
-        self.ledger = BatchLedger(batch_sampler.position, batch_sampler.released_count(),
-                                  functools.partial(probe_collate, dataset, self.collate_fn))
+        self.ledger = BatchLedger(batch_sampler.position, batch_sampler.released_count())
 
     @property
     def batches_consumed(self) -> int:
@@ -447,9 +518,10 @@ class PoissonDataLoader(DataLoader):
         sampler = self.batch_sampler
         mine = _new_loop(sampler, self.ledger)
         sizes = sampler.sizes
-        for batch in _current_only(super().__iter__(), sampler, mine):
-            self.ledger.take(batch, sizes.popleft() if sizes else None)
-            yield batch
+        for item in _current_only(super().__iter__(), sampler, mine):
+            collated = _unpacked(item)
+            self.ledger.take(collated, sizes.popleft() if sizes else None)
+            yield collated.batch
 
     def state_dict(self, include_secrets: bool = False) -> Dict[str, Any]:
         return dict(self.batch_sampler.state_dict(include_secrets), position=self.ledger.taken)
@@ -569,11 +641,11 @@ def poisson_loader(data_loader: DataLoader, sample_rate: Optional[float] = None,
                    secure_mode: bool = False) -> PoissonDataLoader:
     """A loader over ``data_loader``'s dataset with Poisson batches of expected size
     ``sample_rate * N`` (default rate: ``batch_size / N``); workers and collate are kept
-    (the collate is wrapped in :class:`EmptySafeCollate`)."""
+    (the collate is wrapped in :class:`SampleDimsCollate`)."""
     dataset, n, sample_rate = dataset_and_rate(data_loader, sample_rate)
     return PoissonDataLoader(
         dataset, PoissonBatchSampler(n, sample_rate, steps, seed, secure_mode),
-        collate_fn=EmptySafeCollate(dataset, data_loader.collate_fn), **_loader_kwargs(data_loader),
+        collate_fn=data_loader.collate_fn, **_loader_kwargs(data_loader),
     )
 
 
@@ -630,7 +702,7 @@ class BatchMemoryManager:
         self._chunks = DataLoader(
             data_loader.dataset,
             batch_sampler=_ChunkSampler(data_loader.batch_sampler, int(max_physical_batch_size), self._ends),
-            collate_fn=EmptySafeCollate(data_loader.dataset, data_loader.collate_fn),
+            collate_fn=SampleDimsCollate(data_loader.dataset, data_loader.collate_fn),
             **_loader_kwargs(data_loader),
         )
 
@@ -652,7 +724,8 @@ class BatchMemoryManager:
         last, finished = True, False
         chunks = _current_only(iter(self._chunks), source.batch_sampler, mine) if poisson else self._chunks
         try:
-            for chunk in chunks:
+            for item in chunks:
+                chunk = _unpacked(item)
                 first = last
                 loop, last, size = self._ends.popleft()
                 while poisson and loop != mine:  # queued by an older loop's chunk sampler as it was stopped
@@ -662,7 +735,7 @@ class BatchMemoryManager:
                 elif poisson:
                     source.ledger.hand_out(chunk, size)
                 self.optimizer.signal_skip_step(not last)
-                yield chunk
+                yield chunk.batch
             finished = True
         finally:
             # left before a batch's step: the clipped sums of its chunks are dropped (not where a newer

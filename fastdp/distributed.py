@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
-from fastdp.data import EmptySafeCollate, PoissonBatchSampler, PoissonDataLoader, _loader_kwargs, dataset_and_rate
+from fastdp.data import PoissonBatchSampler, PoissonDataLoader, _loader_kwargs, dataset_and_rate
 from fastdp.optimizer import DPOptimizer
 from fastdp.secure import os_entropy
 
@@ -106,7 +106,7 @@ def distributed_poisson_loader(data_loader: DataLoader, sample_rate: Optional[fl
     dataset, n, sample_rate = dataset_and_rate(data_loader, sample_rate)
     sampler = DistributedPoissonBatchSampler(n, sample_rate, steps, seed, secure_mode, rank, world_size,
                                              process_group)
-    return PoissonDataLoader(dataset, sampler, collate_fn=EmptySafeCollate(dataset, data_loader.collate_fn),
+    return PoissonDataLoader(dataset, sampler, collate_fn=data_loader.collate_fn,
                              **_loader_kwargs(data_loader))
 
 

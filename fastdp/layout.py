@@ -80,10 +80,11 @@ def _arithmetic(first: torch.Tensor) -> Optional[Rows]:
 
 class SampleLayout:
     """The samples of ``handed``, the tensors of one batch on one memory (dim 0 the samples of each);
-    ``batch`` names the batch (or chunk) they were handed out in."""
+    ``batch`` names the batch (or chunk) they were handed out in; ``guessed``: some tensor's dim 0 is
+    a guess, its rows perhaps what all samples share, so an expanded view of them tells nothing."""
 
-    def __init__(self, handed: List[torch.Tensor], batch: int):
-        self.batch = batch
+    def __init__(self, handed: List[torch.Tensor], batch: int, guessed: bool = False):
+        self.batch, self._guessed = batch, guessed
         self._known = all(_strided(t) for t in handed)
         self._handed = [_Placement(t) for t in handed] if self._known else []
         self._grid = self._sample_grid() if self._known else None
@@ -118,6 +119,8 @@ class SampleLayout:
             return 0, 1, 0
         if x.numel() == 0:
             return UNKNOWN  # rows without elements: nothing places them
+        if self._guessed and x.shape[0] > 1 and x.stride(0) == 0:
+            return UNKNOWN
         return self._rows_on_grid(x) if self._grid is not None else self._rows_by_label(x)
 
     def _rows_on_grid(self, x: torch.Tensor) -> Union[Rows, str, None]:

@@ -8,11 +8,13 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset, default_collate
 
 import fastdp
-from fastdp.data import (SHARED, BatchLedger, BatchMemoryManager, EmptySafeCollate, PoissonBatchSampler,
-                         PoissonDataLoader, poisson_loader, probe_collate, sample_dims, uniform_subset)
+from fastdp.data import (SHARED, UNTOLD, BatchLedger, BatchMemoryManager, Collated, EmptySafeCollate,
+                         PoissonBatchSampler, PoissonDataLoader, SampleDimsCollate, poisson_loader, probe_collate,
+                         sample_dims, uniform_subset)
+from fastdp.layout import UNKNOWN
 
 
 class DictDataset(Dataset):
@@ -130,43 +132,83 @@ def test_dict_batches_with_custom_collate_and_empty_batches():
 
 def test_the_collate_tells_where_each_tensors_samples_lie():
     """sample_dims compares the collate's batch of one example with its batch of two: the dim one longer
-    holds the samples (time first, items dropped); a tensor of the same shape is shared (positions)."""
+    holds the samples (time first, items dropped); a tensor of the same shape is shared (positions);
+    one the collate emptied (its example dropped) tells nothing."""
     def collate(items):
         x = torch.stack(items, 1)  # (T, B, d)
-        return {"x": x, "kept": x[:, :-1].transpose(0, 1), "positions": torch.arange(3)[None], "packed": x.flatten(0, 1)}
+        return {"x": x, "kept": x[:, :-1].transpose(0, 1), "positions": torch.arange(3)[None],
+                "packed": x.flatten(0, 1), "none kept": x[:, :0]}
 
-    one, two = probe_collate([torch.randn(3, 2)], collate)
-    assert sample_dims(one, two) == [(3, 1), (3, 0), (2, SHARED), (2, None)]
+    one, two = probe_collate(collate, torch.randn(3, 2))
+    assert sample_dims(one, two) == [(3, 1), (3, 0), (2, SHARED), (2, None), UNTOLD]
     assert sample_dims(one, (two["x"],)) is None  # other tensors: nothing told
+    batch, dims, failure = SampleDimsCollate([torch.randn(3, 2)], collate)([torch.randn(3, 2)] * 4)
+    assert batch["x"].shape == (3, 4, 2) and dims == sample_dims(one, two) and failure is None
     empty = EmptySafeCollate([torch.randn(3, 2)], collate)([])
     assert empty["x"].shape == (3, 0, 2) and empty["kept"].shape == (0, 3, 2)  # cut on their sample dims
+    assert torch.equal(empty["positions"], torch.arange(3)[None])  # shared: left whole
 
 
-def test_the_collate_probe_leaves_the_global_random_generators_alone():
+def test_a_batch_whose_first_example_the_collate_drops_is_told_by_another():
+    def valid_only(items):  # (T, B', d) of the valid items
+        kept = [x for valid, x in items if valid]
+        return torch.stack(kept, 1) if kept else torch.zeros(3, 0, 2)
+
+    items = [(False, torch.randn(3, 2)), (True, torch.randn(3, 2)), (True, torch.randn(3, 2))]
+    batch, dims, failure = SampleDimsCollate(items, valid_only)(items)
+    assert batch.shape == (3, 2, 2) and dims == [(3, 1)] and failure is None
+
+
+def test_the_collate_is_asked_once_for_each_arrangement_of_tensor_ranks():
+    calls = []
+
+    def counting(items):
+        calls.append(len(items))
+        return default_collate(items)
+
+    collate = SampleDimsCollate([], counting)
+    for n in (5, 3, 4):
+        assert collate([torch.randn(2)] * n).dims == [(2, 0)]
+    assert collate([torch.randn(2, 3)] * 4).dims == [(3, 0)]  # other ranks: asked again
+    assert calls == [5, 1, 2, 3, 4, 4, 1, 2]
+
+
+def test_a_dataset_fetching_whole_batches_is_asked_through_its_getitems():
+    """A dataset with __getitems__ hands the collate its own return, not a list of examples (fastdp
+    train's TensorPairs): the probe warned and guessed from the lengths."""
+    from fastdp.datasets import TensorPairs, collate_pairs
+
+    data = TensorPairs(torch.randn(10, 3, 2), torch.arange(10))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        batch, dims, failure = SampleDimsCollate(data, collate_pairs)(data.__getitems__([1, 4, 5]))
+    assert batch[0].shape == (3, 3, 2) and dims == [(3, 0), (1, 0)] and failure is None
+
+
+def test_the_collate_probe_draws_alike_in_both_calls_and_leaves_the_global_generators_alone():
     import random
 
-    class Augmented(Dataset):
-        def __len__(self):
-            return 4
-
-        def __getitem__(self, i):
-            return torch.rand(2) + random.random() + float(np.random.rand())
+    def cropping(items):  # a random crop of the batch's sequences, from all three global generators
+        length = 1 + int(torch.randint(0, 5, ())) + random.randrange(5) + int(np.random.randint(5))
+        return torch.stack(items)[:, :length]
 
     states = lambda: (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())  # noqa: E731
+    example = torch.randn(20)
     before = states()
-    probe_collate(Augmented(), torch.stack)
+    one, two = probe_collate(cropping, example)
     after = states()
+    assert one.shape[1] == two.shape[1] and sample_dims(one, two) == [(2, 0)]
     assert torch.equal(before[0], after[0]) and before[1] == after[1] and np.array_equal(before[2], after[2])
 
 
-def test_a_collate_that_cannot_be_probed_leaves_dim_0_the_samples_where_it_has_the_batchs_length():
-    def refuse():
-        raise ValueError("no batches of one example")
-
-    ledger = BatchLedger(probe=refuse)
-    batch_first, time_first = torch.randn(5, 3), torch.randn(3, 5, 2)
-    ledger.take((batch_first, time_first), size=5)
-    assert ledger.sample_layout(batch_first) is not None and ledger.sample_layout(time_first) is None
+def test_a_collate_that_cannot_be_probed_warns_and_the_samples_are_guessed_from_the_lengths():
+    ledger = BatchLedger()
+    batch_first, time_first, positions = torch.randn(5, 3), torch.randn(3, 5, 2), torch.arange(3)
+    with pytest.warns(UserWarning, match="could not ask the collate .* ValueError: no batches of one"):
+        ledger.take(Collated((batch_first, time_first, positions), None, "ValueError: no batches of one"), size=5)
+    assert ledger.sample_layout(batch_first) is not None and ledger.sample_layout(time_first) is not None
+    assert ledger.sample_layout(time_first).rows_of(time_first.transpose(0, 1)[1:3]) == (1, 1, 2)
+    assert ledger.sample_layout(positions).rows_of(positions.expand(5, 3)) == UNKNOWN  # shared or dropped items
 
 
 def test_batches_are_not_kept_alive_by_the_ledger():
