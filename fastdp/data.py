@@ -96,7 +96,8 @@ def sample_dims(one: Any, two: Any) -> Optional[List[SampleDim]]:
     """Per tensor of a collated batch (in :func:`_tensors_in`'s order), where its samples lie, told
     from the batch collated from one example (``one``) and from two (``two``): the one dim that
     is one longer in ``two``; :data:`SHARED` where the shapes agree and hold elements; else
-    untold. None where the two batches hold different numbers of tensors."""
+    untold. None where the two batches hold different numbers of tensors, or where no tensor grew
+    (a collate that drops the example, or merges repeated ones)."""
     ones, twos = list(_tensors_in(one)), list(_tensors_in(two))
     if len(ones) != len(twos):
         return None
@@ -110,7 +111,7 @@ def sample_dims(one: Any, two: Any) -> Optional[List[SampleDim]]:
         else:
             k = grown[0]
             dims.append((a.dim(), k if len(grown) == 1 and b.shape[k] == a.shape[k] + 1 else None))
-    return dims
+    return dims if any(isinstance(k, int) for _, k in dims) else None
 
 
 def _samples_first(t: torch.Tensor, dim: SampleDim, size: Optional[int]) -> Tuple[Optional[torch.Tensor], bool]:
@@ -256,14 +257,11 @@ class PoissonBatchSampler(Sampler[List[int]]):
 
 def _empty_like(batch: Any, dims: Iterator[SampleDim]) -> Any:
     """``batch`` (a collated batch of one example) cut to zero examples: each tensor on its sample
-    dim (``dims``, from :func:`sample_dims`), a tensor all samples share (positions) left whole,
-    others on dim 0. A leaf it cannot cut is refused: left as it was, the example would be trained
-    on in an empty batch's step (a shared tensor reaches the layers only as rows of samples, which
-    the engine checks: none here)."""
+    dim (``dims``, from :func:`sample_dims`), others (shared ones too: nothing tells they hold
+    nothing of the example) on dim 0. A leaf it cannot cut is refused: left as it was, the example
+    would be trained on in an empty batch's step."""
     if isinstance(batch, (torch.Tensor, np.ndarray)) and batch.ndim > 0:
         ndim, k = next(dims, UNTOLD) if isinstance(batch, torch.Tensor) else UNTOLD
-        if ndim == batch.ndim and k == SHARED:
-            return batch
         return batch.narrow(k, 0, 0) if ndim == batch.ndim and isinstance(k, int) else batch[:0]
     if isinstance(batch, Mapping):
         items = {k: _empty_like(v, dims) for k, v in batch.items()}
@@ -305,9 +303,13 @@ class EmptySafeCollate:
         return self.collate_fn(samples) if len(samples) else self._empty()[0]
 
     def _empty(self) -> Tuple[Any, Optional[List[SampleDim]]]:
-        """An empty batch and where its tensors' samples lie (:func:`sample_dims`)."""
-        one, two = probe_collate(self.collate_fn, self.dataset[0])
-        dims = sample_dims(one, two)
+        """An empty batch and where its tensors' samples lie (:func:`sample_dims`; None where the
+        collate takes no example twice over: all cut on dim 0)."""
+        try:
+            one, two = probe_collate(self.collate_fn, self.dataset[0])
+            dims = sample_dims(one, two)
+        except Exception:
+            one, dims = self.collate_fn([self.dataset[0]]), None
         return _empty_like(one, iter(dims or ())), dims
 
 
@@ -325,33 +327,42 @@ class SampleDimsCollate(EmptySafeCollate):
     ``__getitems__``, whose return the collate takes, its example 0); the Poisson loader and
     :class:`BatchMemoryManager` hand out the batch and give the dims to the :class:`BatchLedger`."""
 
+    ASKS = 8  # batches of one arrangement of tensor ranks asked while the answer leaves a tensor untold
+
     def __init__(self, dataset: Dataset, collate_fn: Callable = default_collate):
         super().__init__(dataset, collate_fn)
-        self._told: Dict[tuple, List[SampleDim]] = {}  # dims of every tensor, by the batch's tensors' ranks
+        # by the ranks of a batch's tensors: (dims, failure, whether every tensor is told, asks left)
+        self._asked: Dict[tuple, Tuple[Optional[List[SampleDim]], Optional[str], bool, int]] = {}
 
     def __call__(self, samples) -> Collated:
         if len(samples) == 0:
             return Collated(*self._empty(), None)
         batch = self.collate_fn(samples)
         ranks = tuple(t.dim() for t in _tensors_in(batch))
-        if ranks in self._told:  # asked before (saving the generators' states costs ~0.1 ms)
-            return Collated(batch, self._told[ranks], None)
+        dims, failure, told, left = self._asked.get(ranks, (None, None, False, self.ASKS))
+        if not told and left:  # saving the generators' states costs ~0.1 ms a batch: asked again only so often
+            dims, failure = self._ask(samples)
+            told = dims is not None and all(isinstance(k, int) or k == SHARED for _, k in dims)
+            self._asked[ranks] = dims, failure, told, left - 1
+        return Collated(batch, dims, failure)
+
+    def _ask(self, samples) -> Tuple[Optional[List[SampleDim]], Optional[str]]:
+        """(:func:`sample_dims`, None) from an example of ``samples``: the first, else the last or middle
+        where the collate drops it (an invalid example); (None, why) where the collate raised."""
         collate = self.collate_fn
         if getattr(self.dataset, "__getitems__", None):  # the loader hands the collate what this returns
             collate = lambda indices: self.collate_fn(self.dataset.__getitems__(indices))  # noqa: E731
             samples = [0, len(self.dataset) - 1]
+        first = None
         try:
-            tries = [samples[i] for i in dict.fromkeys((0, len(samples) - 1, len(samples) // 2))]
-            for example in tries:  # the next where the collate drops the example (an invalid one) or else
-                dims = sample_dims(*probe_collate(collate, example))
-                if example is tries[0]:
-                    told = dims
+            for n, i in enumerate(dict.fromkeys((0, len(samples) - 1, len(samples) // 2))):
+                dims = sample_dims(*probe_collate(collate, samples[i]))
+                first = dims if n == 0 else first
                 if dims is not None and all(isinstance(k, int) or k == SHARED for _, k in dims):
-                    self._told[ranks] = dims
-                    return Collated(batch, dims, None)
-            return Collated(batch, told, None)
+                    return dims, None
+            return first, None
         except Exception as error:  # a collate that takes no batch of one example: guessed from lengths
-            return Collated(batch, None, f"{type(error).__name__}: {error}")
+            return None, f"{type(error).__name__}: {error}"
 
 
 def _unpacked(item: Any) -> Collated:
@@ -503,12 +514,21 @@ class PoissonDataLoader(DataLoader):
     """A DataLoader over a :class:`PoissonBatchSampler` that knows how many batches the
     training loop has received (``batches_consumed``), so its :meth:`state_dict` is exact
     even when workers prefetch batches ahead of the loop; its :class:`BatchLedger` serves the
-    optimizer's one-batch-per-step check. The collate is wrapped in :class:`SampleDimsCollate`."""
+    optimizer's one-batch-per-step check. ``collate_fn`` is an :class:`EmptySafeCollate`; its
+    iterators collate with a :class:`SampleDimsCollate` over it and hand out the batches alone."""
 
     def __init__(self, dataset: Dataset, batch_sampler: PoissonBatchSampler, **kwargs):
-        kwargs["collate_fn"] = SampleDimsCollate(dataset, kwargs.get("collate_fn") or default_collate)
+        kwargs["collate_fn"] = EmptySafeCollate(dataset, kwargs.get("collate_fn") or default_collate)
         super().__init__(dataset, batch_sampler=batch_sampler, **kwargs)
         self.ledger = BatchLedger(batch_sampler.position, batch_sampler.released_count())
+
+    def _get_iterator(self):
+        plain = self.collate_fn
+        self.collate_fn = SampleDimsCollate(self.dataset, plain)  # the iterator (and its workers) keep this one
+        try:
+            return super()._get_iterator()
+        finally:
+            self.collate_fn = plain
 
     @property
     def batches_consumed(self) -> int:

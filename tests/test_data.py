@@ -146,7 +146,37 @@ def test_the_collate_tells_where_each_tensors_samples_lie():
     assert batch["x"].shape == (3, 4, 2) and dims == sample_dims(one, two) and failure is None
     empty = EmptySafeCollate([torch.randn(3, 2)], collate)([])
     assert empty["x"].shape == (3, 0, 2) and empty["kept"].shape == (0, 3, 2)  # cut on their sample dims
-    assert torch.equal(empty["positions"], torch.arange(3)[None])  # shared: left whole
+    assert empty["positions"].shape == (0, 3)  # shared: cut on dim 0 (nothing tells it holds nothing of the example)
+
+
+def test_a_collate_that_merges_repeated_examples_tells_nothing():
+    """Eighth review: a collate dropping repeated records made the probe's two copies one, so every
+    tensor read as shared: no checks (2 C), and an empty batch kept dataset[0] whole (1 C a step)."""
+    def unique(items):
+        kept = list({id(x): x for x in items}.values())
+        return torch.stack(kept) if kept else torch.zeros(0, 2)
+
+    one, two = probe_collate(unique, torch.randn(2))
+    assert sample_dims(one, two) is None
+    assert EmptySafeCollate([torch.randn(2)], unique)([]).shape == (0, 2)
+
+
+def test_an_empty_batch_of_a_collate_that_refuses_repeats_is_cut_on_dim_0():
+    def refusing(items):
+        if len({id(x) for x in items}) < len(items):
+            raise ValueError("a repeated record")
+        return torch.stack(items)
+
+    assert EmptySafeCollate([torch.randn(2)], refusing)([]).shape == (0, 2)
+
+
+def test_the_loaders_collate_fn_returns_batches():
+    """Eighth review: loader.collate_fn returned fastdp's (batch, dims, failure), which broke an eval
+    loader built with it; the telling collate is the iterators' own."""
+    loader = poisson_loader(DataLoader(TensorDataset(torch.randn(20, 3)), batch_size=4), seed=1)
+    (x,) = loader.collate_fn([(torch.ones(3),), (torch.zeros(3),)])
+    assert x.shape == (2, 3) and isinstance(loader.collate_fn, EmptySafeCollate)
+    assert all(isinstance(b[0], torch.Tensor) for b in loader)
 
 
 def test_a_batch_whose_first_example_the_collate_drops_is_told_by_another():
@@ -171,6 +201,30 @@ def test_the_collate_is_asked_once_for_each_arrangement_of_tensor_ranks():
         assert collate([torch.randn(2)] * n).dims == [(2, 0)]
     assert collate([torch.randn(2, 3)] * 4).dims == [(3, 0)]  # other ranks: asked again
     assert calls == [5, 1, 2, 3, 4, 4, 1, 2]
+
+
+def test_an_arrangement_left_untold_is_asked_again_a_few_times():
+    """Eighth review: a batch whose probed examples the collate all dropped (it returned None) was kept
+    as told, so the whole run guessed from lengths (2.17 C on time-first batches); and collates that
+    never tell were asked again every batch (7 collate calls a batch)."""
+    calls = []
+
+    def valid_only(items):  # (T, B', d) of the valid items, None where none is
+        calls.append(len(items))
+        kept = [x for valid, x in items if valid]
+        return torch.stack(kept, 1) if kept else None
+
+    collate = SampleDimsCollate([], valid_only)
+    invalid, valid = (False, torch.randn(3, 2)), (True, torch.randn(3, 2))
+    assert collate([invalid, valid, invalid, invalid]).dims is None  # the examples asked are all invalid
+    assert collate([valid, invalid]).dims == [(3, 1)]  # asked again, told
+    asked = len(calls)
+    collate([invalid, valid])
+    assert len(calls) == asked + 1  # told: not asked again
+    concatenated = SampleDimsCollate([], lambda items: torch.cat(items))  # never tells: (n T, d)
+    for _ in range(SampleDimsCollate.ASKS + 3):
+        assert concatenated([torch.randn(3, 2)] * 4).dims is None
+    assert concatenated._asked[(2,)][3] == 0
 
 
 def test_a_dataset_fetching_whole_batches_is_asked_through_its_getitems():
