@@ -428,23 +428,29 @@ class BatchLedger:
                 f"example alone and twice over raised {batch.failure}); the checks that each row a layer sees is "
                 "one sample guess it from the tensors' lengths, which fails where two dims have the batch's length",
                 UserWarning, stacklevel=user_stacklevel())
-        by_root = TensorMap()  # root -> the tensors of this batch (or chunk) on its memory, samples on dim 0
+        # root -> the tensors of this batch (or chunk) on its memory, samples on dim 0: (told, guessed ones)
+        by_root = TensorMap()
         tensors = list(_tensors_in(batch.batch))
         dims = batch.dims if batch.dims is not None and len(batch.dims) == len(tensors) else repeat(UNTOLD)
-        foreign = set()  # roots with tensors whose rows may not all be samples
+        foreign = set()  # roots with guessed tensors whose rows may not all be samples
         for t, dim in zip(tensors, dims):
             for u in (t, t._base):
                 if u is not None:
                     self.handed[u] = self.taken
             samples, guessed = _samples_first(t, dim, size)
             root = t if t._base is None else t._base
-            on_root = by_root.setdefault(root, [])
+            told, guesses = by_root.setdefault(root, ([], []))
             if samples is not None:
-                on_root.append(samples)
+                (told if dim[0] == t.dim() and isinstance(dim[1], int) else guesses).append(samples)
             if guessed:
                 foreign.add(id(root))
-        for root, on_root in by_root.items():  # a tensor handed out again without samples loses its old layout
-            self.layouts[root] = SampleLayout(on_root, self.handouts, guessed=id(root) in foreign) if on_root else None
+        for root, (told, guesses) in by_root.items():
+            # a guess beside told tensors on one memory is left out (a flattened view x.view(-1, d) beside x
+            # would have every element claimed by two samples: nothing checked); a tensor handed out again
+            # without samples loses its old layout
+            on_root = told or guesses
+            guessed = not told and id(root) in foreign
+            self.layouts[root] = SampleLayout(on_root, self.handouts, guessed=guessed) if on_root else None
             if root.layout == torch.strided and not root.is_nested:  # aliases (x.detach(), x.data) find it
                 self._roots[_memory_of(root)] = weakref.ref(root)
 

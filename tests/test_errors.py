@@ -1386,3 +1386,27 @@ def test_time_first_batches_are_exact_and_checked_whatever_their_lengths(chunks)
             torch.testing.assert_close(model.weight.grad, want / 4, rtol=1e-12, atol=1e-12)
             want, compared = torch.zeros_like(want), compared + 1
     assert {1, T} <= sizes and compared == 15
+
+
+def test_a_flattened_view_handed_out_beside_the_batch_keeps_its_checks():
+    """Ninth review: a collate returning x and x.view(-1, d) (for a token-level loss) put a guess for
+    the view beside x's samples on one memory; every element was then claimed by two samples and
+    nothing was checked: x.transpose(0, 1) passed at T C. A guess beside told tensors is left out."""
+    from torch.utils.data import DataLoader
+
+    data = [torch.randn(4, 3) for _ in range(60)]
+    model = nn.Linear(3, 1)
+    model, opt, loader = fastdp.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        data_loader=DataLoader(data, batch_size=8, collate_fn=lambda items: (
+            (lambda x: (x, x.view(-1, 3)))(torch.stack(items) if items else torch.zeros(0, 4, 3)))),
+        max_grad_norm=1.0, noise_multiplier=0.0, seed=4)
+    for x, flat in loader:  # step past batches too small for the transpose's rows to be refused by count
+        if len(x) >= 4:
+            break
+        opt.step()
+    with pytest.raises(fastdp.UnsupportedModuleError, match="not one sample each"):
+        model(x.transpose(0, 1)).sum().backward()
+    opt.zero_grad()
+    with pytest.raises(fastdp.UnsupportedModuleError, match="not one sample each"):
+        model(flat).sum().backward()
