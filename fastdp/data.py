@@ -445,12 +445,12 @@ class BatchLedger:
             if guessed:
                 foreign.add(id(root))
         for root, (told, guesses) in by_root.items():
-            # a guess beside told tensors on one memory is left out (a flattened view x.view(-1, d) beside x
-            # would have every element claimed by two samples: nothing checked); a tensor handed out again
-            # without samples loses its old layout
-            on_root = told or guesses
-            guessed = not told and id(root) in foreign
-            self.layouts[root] = SampleLayout(on_root, self.handouts, guessed=guessed) if on_root else None
+            # guesses beside told tensors on one memory label only what those leave (a flattened view
+            # x.view(-1, d) beside x would have had every element claimed by two samples: nothing checked);
+            # a tensor handed out again without samples loses its old layout
+            layout = (SampleLayout(told, self.handouts, filling=guesses) if told else
+                      SampleLayout(guesses, self.handouts, guessed=id(root) in foreign) if guesses else None)
+            self.layouts[root] = layout
             if root.layout == torch.strided and not root.is_nested:  # aliases (x.detach(), x.data) find it
                 self._roots[_memory_of(root)] = weakref.ref(root)
 

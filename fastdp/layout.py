@@ -19,7 +19,7 @@ engine then checks it as any other tensor.
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -81,12 +81,16 @@ def _arithmetic(first: torch.Tensor) -> Optional[Rows]:
 class SampleLayout:
     """The samples of ``handed``, the tensors of one batch on one memory (dim 0 the samples of each);
     ``batch`` names the batch (or chunk) they were handed out in; ``guessed``: some tensor's dim 0 is
-    a guess, its rows perhaps what all samples share, so an expanded view of them tells nothing."""
+    a guess, its rows perhaps what all samples share, so an expanded view of them tells nothing;
+    ``filling``: tensors whose samples are guessed beside ``handed``, known ones: they label only
+    memory that none of those holds (a flattened view ``x.view(-1, d)`` beside ``x`` labels none)."""
 
-    def __init__(self, handed: List[torch.Tensor], batch: int, guessed: bool = False):
+    def __init__(self, handed: List[torch.Tensor], batch: int, guessed: bool = False,
+                 filling: Sequence[torch.Tensor] = ()):
         self.batch, self._guessed = batch, guessed
-        self._known = all(_strided(t) for t in handed)
-        self._handed = [_Placement(t) for t in handed] if self._known else []
+        self._known = all(_strided(t) for t in (*handed, *filling))
+        self._handed = [_Placement(t) for t in (*handed, *filling)] if self._known else []
+        self._filling = len(filling)  # the last ones of _handed
         self._grid = self._sample_grid() if self._known else None
         self._labels: Optional[Tuple[torch.Tensor, int, int]] = None  # (labels, first byte, bytes each)
 
@@ -167,7 +171,7 @@ class SampleLayout:
             low, high = min((a for a, _ in spans), default=0), max((b for _, b in spans), default=0)
             device = self._handed[0].device
             labels = torch.full(((high - low) // unit,), _FREE, dtype=torch.int32, device=device)
-            for t in self._handed:
+            for n, t in enumerate(self._handed):
                 if not t.numel():
                     continue
                 per = t.element_size() // unit
@@ -175,6 +179,10 @@ class SampleLayout:
                                            (_offset(t) - low) // unit)
                 sample = torch.arange(t.shape[0], dtype=torch.int32, device=device)
                 sample = sample.view(-1, *[1] * len(t.shape)).expand(region.shape)
+                if n >= len(self._handed) - self._filling:  # a guess: only where no known tensor is
+                    if not t.overlaps:
+                        region.copy_(torch.where(region == _FREE, sample, region))
+                    continue
                 if t.overlaps:  # no write through its strides
                     _label_overlapping(labels, region)
                     continue

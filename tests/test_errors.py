@@ -1410,3 +1410,29 @@ def test_a_flattened_view_handed_out_beside_the_batch_keeps_its_checks():
     opt.zero_grad()
     with pytest.raises(fastdp.UnsupportedModuleError, match="not one sample each"):
         model(flat).sum().backward()
+
+
+def test_a_guess_beside_told_tensors_on_one_memory_keeps_the_memory_it_alone_holds():
+    """Tenth review: leaving the guess out (the ninth review's fix) left its memory unlabelled, so a
+    time-first view of it passed at T C: x = buf[..., :d] (told) beside aux = buf[..., d:].squeeze()
+    (guessed: squeeze() drops a batch of one's dim too) on one time-first buffer. A guess now labels
+    the memory no told tensor holds."""
+    from torch.nn.utils.rnn import pad_sequence
+    from torch.utils.data import DataLoader
+
+    data = [torch.randn(3, 3) for _ in range(40)]
+    model = nn.Linear(1, 1, bias=False)
+    model, opt, loader = fastdp.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        data_loader=DataLoader(data, batch_size=8, collate_fn=lambda items: (lambda buf: (
+            buf[..., :2], buf[..., 2:].squeeze()))(pad_sequence(items) if items else torch.zeros(3, 0, 3))),
+        max_grad_norm=1.0, noise_multiplier=0.0, seed=0)
+    for x, aux in loader:
+        if aux.dim() == 2 and aux.shape[1] >= 3:
+            break
+        opt.step()
+    with pytest.raises(fastdp.UnsupportedModuleError, match="not one sample each"):
+        model(aux.unsqueeze(-1)).sum().backward()  # (T, B, 1): rows are time steps
+    opt.zero_grad()
+    model(aux.t().unsqueeze(-1)).sum().backward()  # (B, T, 1)
+    opt.step()
