@@ -439,17 +439,21 @@ class BatchLedger:
                     self.handed[u] = self.taken
             samples, guessed = _samples_first(t, dim, size)
             root = t if t._base is None else t._base
-            told, guesses = by_root.setdefault(root, ([], []))
-            if samples is not None:
-                (told if dim[0] == t.dim() and isinstance(dim[1], int) else guesses).append(samples)
+            told, guesses, unclear = by_root.setdefault(root, ([], [], []))
+            if samples is not None and dim[0] == t.dim() and isinstance(dim[1], int):
+                told.append(samples)
+            elif samples is not None:  # guessed from lengths: unclear where two dims have the batch's length
+                (unclear if size is not None and t.shape.count(size) > 1 else guesses).append(samples)
             if guessed:
                 foreign.add(id(root))
-        for root, (told, guesses) in by_root.items():
+        for root, (told, guesses, unclear) in by_root.items():
             # guesses beside told tensors on one memory label only what those leave (a flattened view
-            # x.view(-1, d) beside x would have had every element claimed by two samples: nothing checked);
-            # a tensor handed out again without samples loses its old layout
-            layout = (SampleLayout(told, self.handouts, filling=guesses) if told else
-                      SampleLayout(guesses, self.handouts, guessed=id(root) in foreign) if guesses else None)
+            # x.view(-1, d) beside x would have had every element claimed by two samples: nothing checked),
+            # unclear ones so that rows reaching it are refused (a time-first (T, B) tensor at B = T would
+            # have been read by time step); a tensor handed out again without samples loses its old layout
+            layout = (SampleLayout(told, self.handouts, filling=guesses, unclear=unclear) if told else
+                      SampleLayout(guesses + unclear, self.handouts, guessed=id(root) in foreign)
+                      if guesses or unclear else None)
             self.layouts[root] = layout
             if root.layout == torch.strided and not root.is_nested:  # aliases (x.detach(), x.data) find it
                 self._roots[_memory_of(root)] = weakref.ref(root)

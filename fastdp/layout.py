@@ -26,6 +26,7 @@ import torch
 Rows = Tuple[int, int, int]  # (start, step, count): row i holds sample start + i * step
 UNKNOWN = "unknown"  # rows_of: the memory does not tell
 _FREE, _SHARED = -1, -2  # labels of memory no tensor of the batch holds, and of memory two samples claim
+_UNCLEAR = -3  # label of memory only a tensor of unclear samples holds: rows reaching it are refused
 
 
 def _reach(t: torch.Tensor, dims: slice = slice(1, None)) -> int:
@@ -83,15 +84,17 @@ class SampleLayout:
     ``batch`` names the batch (or chunk) they were handed out in; ``guessed``: some tensor's dim 0 is
     a guess, its rows perhaps what all samples share, so an expanded view of them tells nothing;
     ``filling``: tensors whose samples are guessed beside ``handed``, known ones: they label only
-    memory that none of those holds (a flattened view ``x.view(-1, d)`` beside ``x`` labels none)."""
+    memory that none of those holds (a flattened view ``x.view(-1, d)`` beside ``x`` labels none);
+    ``unclear``: guesses that could be wrong (two dims of the batch's length): rows reaching memory
+    only they hold are refused."""
 
     def __init__(self, handed: List[torch.Tensor], batch: int, guessed: bool = False,
-                 filling: Sequence[torch.Tensor] = ()):
+                 filling: Sequence[torch.Tensor] = (), unclear: Sequence[torch.Tensor] = ()):
         self.batch, self._guessed = batch, guessed
-        self._known = all(_strided(t) for t in (*handed, *filling))
-        self._handed = [_Placement(t) for t in (*handed, *filling)] if self._known else []
-        self._filling = len(filling)  # the last ones of _handed
-        self._grid = self._sample_grid() if self._known else None
+        self._known = all(_strided(t) for t in (*handed, *filling, *unclear))
+        self._handed = [_Placement(t) for t in (*handed, *filling, *unclear)] if self._known else []
+        self._filling, self._unclear = len(filling) + len(unclear), len(unclear)  # the last ones of _handed
+        self._grid = self._sample_grid() if self._known and not unclear else None
         self._labels: Optional[Tuple[torch.Tensor, int, int]] = None  # (labels, first byte, bytes each)
 
     def _sample_grid(self):
@@ -155,6 +158,8 @@ class SampleLayout:
             return UNKNOWN  # reaches past the batch's memory
         seen = labels.as_strided((*x.shape, per_x), (*(s * per_x for s in x.stride()), 1), begin)
         rows = seen.reshape(x.shape[0], -1)
+        if bool((rows == _UNCLEAR).any()):
+            return None
         if bool((rows < 0).any()):
             return UNKNOWN  # memory no tensor of the batch holds, or that two samples share
         first = rows[:, 0]
@@ -180,8 +185,9 @@ class SampleLayout:
                 sample = torch.arange(t.shape[0], dtype=torch.int32, device=device)
                 sample = sample.view(-1, *[1] * len(t.shape)).expand(region.shape)
                 if n >= len(self._handed) - self._filling:  # a guess: only where no known tensor is
+                    label = sample if n < len(self._handed) - self._unclear else torch.full_like(sample, _UNCLEAR)
                     if not t.overlaps:
-                        region.copy_(torch.where(region == _FREE, sample, region))
+                        region.copy_(torch.where(region == _FREE, label, region))
                     continue
                 if t.overlaps:  # no write through its strides
                     _label_overlapping(labels, region)

@@ -1436,3 +1436,27 @@ def test_a_guess_beside_told_tensors_on_one_memory_keeps_the_memory_it_alone_hol
     opt.zero_grad()
     model(aux.t().unsqueeze(-1)).sum().backward()  # (B, T, 1)
     opt.step()
+
+
+def test_a_guess_with_two_dims_of_the_batchs_length_beside_told_tensors_is_refused():
+    """Eleventh review: at B = T the guessed aux = buf[..., d:].squeeze() of a time-first buffer was read
+    on dim 0, its time steps as samples: aux fed time-first passed at T C. Rows reaching memory only
+    such a guess holds are refused (the correct aux.t() too: squeeze(-1) lets the probe place it)."""
+    from torch.nn.utils.rnn import pad_sequence
+    from torch.utils.data import DataLoader
+
+    data = [torch.randn(3, 3) for _ in range(40)]
+    model = nn.Linear(1, 1, bias=False)
+    model, opt, loader = fastdp.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        data_loader=DataLoader(data, batch_size=3, collate_fn=lambda items: (lambda buf: (
+            buf[..., :2], buf[..., 2:].squeeze()))(pad_sequence(items) if items else torch.zeros(3, 0, 3))),
+        max_grad_norm=1.0, noise_multiplier=0.0, seed=0)
+    for x, aux in loader:
+        if aux.dim() == 2 and aux.shape[1] == 3:
+            break
+        opt.step()
+    for rows in (aux.unsqueeze(-1), aux.t().unsqueeze(-1)):
+        with pytest.raises(fastdp.UnsupportedModuleError, match="not one sample each"):
+            model(rows).sum().backward()
+        opt.zero_grad()
