@@ -114,20 +114,48 @@ def sample_dims(one: Any, two: Any) -> Optional[List[SampleDim]]:
     return dims if any(isinstance(k, int) for _, k in dims) else None
 
 
-def _samples_first(t: torch.Tensor, dim: SampleDim, size: Optional[int]) -> Tuple[Optional[torch.Tensor], bool]:
-    """``(t with its samples on dim 0, or None where it holds no row per sample; whether its rows may
-    not all be samples)``: ``dim`` from :func:`sample_dims`; where that does not tell, guessed from
-    the lengths: dim 0 if it is ``size`` long (the batch's sampled count), else the one dim that is,
-    else dim 0 (rows of items the collate dropped, or of what the samples share)."""
+def _fully_told(dims: Optional[List[SampleDim]]) -> bool:
+    """Whether :func:`sample_dims` placed every tensor (a sample dim, or shared)."""
+    return dims is not None and all(isinstance(k, int) or k == SHARED for _, k in dims)
+
+
+def _samples_first(t: torch.Tensor, dim: SampleDim, size: Optional[int]) -> Tuple[Optional[torch.Tensor], bool, bool]:
+    """``(t with its samples on dim 0, or None where it holds no row per sample; whether they were
+    told, not guessed; whether its rows may not all be samples)``: ``dim`` from :func:`sample_dims`;
+    where that does not tell, guessed from the lengths: dim 0 if it is ``size`` long (the batch's
+    sampled count), else the one dim that is, else dim 0 (rows of items the collate dropped, or of
+    what the samples share)."""
     ndim, k = dim
     if t.dim() == 0 or (ndim == t.dim() and k == SHARED):
-        return None, False
+        return None, False, False
     if ndim == t.dim() and isinstance(k, int):
-        return (t.movedim(k, 0) if k else t), False
+        return (t.movedim(k, 0) if k else t), True, False
     if size is None or t.shape[0] == size or t.layout != torch.strided or t.is_nested:
-        return t, False
+        return t, False, False
     lengths = [j for j, n in enumerate(t.shape) if n == size]
-    return (t.movedim(lengths[0], 0), False) if len(lengths) == 1 else (t, True)
+    return (t.movedim(lengths[0], 0), False, False) if len(lengths) == 1 else (t, False, True)
+
+
+class _OnRoot:
+    """The tensors of one batch (or chunk) on one memory, samples on dim 0, by how they were found."""
+
+    __slots__ = ("told", "guesses", "unclear", "foreign")
+
+    def __init__(self) -> None:
+        self.told: List[torch.Tensor] = []
+        self.guesses: List[torch.Tensor] = []
+        self.unclear: List[torch.Tensor] = []  # guesses with two dims of the batch's length
+        self.foreign = False  # a guess whose rows may not all be samples
+
+    def layout(self, batch: int) -> Optional[SampleLayout]:
+        """Guesses beside told tensors label only what those leave (a flattened view x.view(-1, d)
+        beside x would have had every element claimed by two samples: nothing checked), unclear ones so
+        that rows reaching it are refused (a time-first (T, B) tensor at B = T would have been read by
+        time step); None where no tensor holds samples."""
+        if self.told:
+            return SampleLayout(self.told, batch, filling=self.guesses, unclear=self.unclear)
+        guesses = self.guesses + self.unclear
+        return SampleLayout(guesses, batch, guessed=self.foreign) if guesses else None
 
 
 def steps_per_epoch(sample_rate: float) -> int:
@@ -331,19 +359,18 @@ class SampleDimsCollate(EmptySafeCollate):
 
     def __init__(self, dataset: Dataset, collate_fn: Callable = default_collate):
         super().__init__(dataset, collate_fn)
-        # by the ranks of a batch's tensors: (dims, failure, whether every tensor is told, asks left)
-        self._asked: Dict[tuple, Tuple[Optional[List[SampleDim]], Optional[str], bool, int]] = {}
+        # by the ranks of a batch's tensors: (dims, failure, asks left)
+        self._asked: Dict[tuple, Tuple[Optional[List[SampleDim]], Optional[str], int]] = {}
 
     def __call__(self, samples) -> Collated:
         if len(samples) == 0:
             return Collated(*self._empty(), None)
         batch = self.collate_fn(samples)
         ranks = tuple(t.dim() for t in _tensors_in(batch))
-        dims, failure, told, left = self._asked.get(ranks, (None, None, False, self.ASKS))
-        if not told and left:  # saving the generators' states costs ~0.1 ms a batch: asked again only so often
+        dims, failure, left = self._asked.get(ranks, (None, None, self.ASKS))
+        if not _fully_told(dims) and left:  # saving the generators' states costs ~0.1 ms: asked again only so often
             dims, failure = self._ask(samples)
-            told = dims is not None and all(isinstance(k, int) or k == SHARED for _, k in dims)
-            self._asked[ranks] = dims, failure, told, left - 1
+            self._asked[ranks] = dims, failure, left - 1
         return Collated(batch, dims, failure)
 
     def _ask(self, samples) -> Tuple[Optional[List[SampleDim]], Optional[str]]:
@@ -358,15 +385,11 @@ class SampleDimsCollate(EmptySafeCollate):
             for n, i in enumerate(dict.fromkeys((0, len(samples) - 1, len(samples) // 2))):
                 dims = sample_dims(*probe_collate(collate, samples[i]))
                 first = dims if n == 0 else first
-                if dims is not None and all(isinstance(k, int) or k == SHARED for _, k in dims):
+                if _fully_told(dims):
                     return dims, None
             return first, None
         except Exception as error:  # a collate that takes no batch of one example: guessed from lengths
             return None, f"{type(error).__name__}: {error}"
-
-
-def _unpacked(item: Any) -> Collated:
-    return item if isinstance(item, Collated) else Collated(item, None, None)
 
 
 class BatchLedger:
@@ -428,33 +451,22 @@ class BatchLedger:
                 f"example alone and twice over raised {batch.failure}); the checks that each row a layer sees is "
                 "one sample guess it from the tensors' lengths, which fails where two dims have the batch's length",
                 UserWarning, stacklevel=user_stacklevel())
-        # root -> the tensors of this batch (or chunk) on its memory, samples on dim 0: (told, guessed ones)
-        by_root = TensorMap()
+        by_root = TensorMap()  # root -> _OnRoot
         tensors = list(_tensors_in(batch.batch))
         dims = batch.dims if batch.dims is not None and len(batch.dims) == len(tensors) else repeat(UNTOLD)
-        foreign = set()  # roots with guessed tensors whose rows may not all be samples
         for t, dim in zip(tensors, dims):
             for u in (t, t._base):
                 if u is not None:
                     self.handed[u] = self.taken
-            samples, guessed = _samples_first(t, dim, size)
-            root = t if t._base is None else t._base
-            told, guesses, unclear = by_root.setdefault(root, ([], [], []))
-            if samples is not None and dim[0] == t.dim() and isinstance(dim[1], int):
-                told.append(samples)
+            samples, told, foreign = _samples_first(t, dim, size)
+            on_root = by_root.setdefault(t if t._base is None else t._base, _OnRoot())
+            if samples is not None and told:
+                on_root.told.append(samples)
             elif samples is not None:  # guessed from lengths: unclear where two dims have the batch's length
-                (unclear if size is not None and t.shape.count(size) > 1 else guesses).append(samples)
-            if guessed:
-                foreign.add(id(root))
-        for root, (told, guesses, unclear) in by_root.items():
-            # guesses beside told tensors on one memory label only what those leave (a flattened view
-            # x.view(-1, d) beside x would have had every element claimed by two samples: nothing checked),
-            # unclear ones so that rows reaching it are refused (a time-first (T, B) tensor at B = T would
-            # have been read by time step); a tensor handed out again without samples loses its old layout
-            layout = (SampleLayout(told, self.handouts, filling=guesses, unclear=unclear) if told else
-                      SampleLayout(guesses + unclear, self.handouts, guessed=id(root) in foreign)
-                      if guesses or unclear else None)
-            self.layouts[root] = layout
+                (on_root.unclear if size is not None and t.shape.count(size) > 1 else on_root.guesses).append(samples)
+            on_root.foreign |= foreign
+        for root, on_root in by_root.items():  # a tensor handed out again without samples loses its old layout
+            self.layouts[root] = on_root.layout(self.handouts)
             if root.layout == torch.strided and not root.is_nested:  # aliases (x.detach(), x.data) find it
                 self._roots[_memory_of(root)] = weakref.ref(root)
 
@@ -548,8 +560,7 @@ class PoissonDataLoader(DataLoader):
         sampler = self.batch_sampler
         mine = _new_loop(sampler, self.ledger)
         sizes = sampler.sizes
-        for item in _current_only(super().__iter__(), sampler, mine):
-            collated = _unpacked(item)
+        for collated in _current_only(super().__iter__(), sampler, mine):  # Collated, from _get_iterator's collate
             self.ledger.take(collated, sizes.popleft() if sizes else None)
             yield collated.batch
 
@@ -754,8 +765,7 @@ class BatchMemoryManager:
         last, finished = True, False
         chunks = _current_only(iter(self._chunks), source.batch_sampler, mine) if poisson else self._chunks
         try:
-            for item in chunks:
-                chunk = _unpacked(item)
+            for chunk in chunks:  # Collated, from SampleDimsCollate
                 first = last
                 loop, last, size = self._ends.popleft()
                 while poisson and loop != mine:  # queued by an older loop's chunk sampler as it was stopped

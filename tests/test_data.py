@@ -224,7 +224,7 @@ def test_an_arrangement_left_untold_is_asked_again_a_few_times():
     concatenated = SampleDimsCollate([], lambda items: torch.cat(items))  # never tells: (n T, d)
     for _ in range(SampleDimsCollate.ASKS + 3):
         assert concatenated([torch.randn(3, 2)] * 4).dims is None
-    assert concatenated._asked[(2,)][3] == 0
+    assert concatenated._asked[(2,)][2] == 0
 
 
 def test_a_dataset_fetching_whole_batches_is_asked_through_its_getitems():

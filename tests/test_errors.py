@@ -1412,11 +1412,10 @@ def test_a_flattened_view_handed_out_beside_the_batch_keeps_its_checks():
         model(flat).sum().backward()
 
 
-def test_a_guess_beside_told_tensors_on_one_memory_keeps_the_memory_it_alone_holds():
-    """Tenth review: leaving the guess out (the ninth review's fix) left its memory unlabelled, so a
-    time-first view of it passed at T C: x = buf[..., :d] (told) beside aux = buf[..., d:].squeeze()
-    (guessed: squeeze() drops a batch of one's dim too) on one time-first buffer. A guess now labels
-    the memory no told tensor holds."""
+def _time_first_aux(batch_size, wanted):
+    """(model, optimizer, aux) of the first batch with ``wanted(B)``, from a collate returning
+    x = buf[..., :2] (told) and aux = buf[..., 2:].squeeze() (guessed: squeeze() drops a batch of one's
+    dim too) of one time-first (T = 3, B, 3) buffer; earlier batches stepped past."""
     from torch.nn.utils.rnn import pad_sequence
     from torch.utils.data import DataLoader
 
@@ -1424,13 +1423,21 @@ def test_a_guess_beside_told_tensors_on_one_memory_keeps_the_memory_it_alone_hol
     model = nn.Linear(1, 1, bias=False)
     model, opt, loader = fastdp.make_private(
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-        data_loader=DataLoader(data, batch_size=8, collate_fn=lambda items: (lambda buf: (
+        data_loader=DataLoader(data, batch_size=batch_size, collate_fn=lambda items: (lambda buf: (
             buf[..., :2], buf[..., 2:].squeeze()))(pad_sequence(items) if items else torch.zeros(3, 0, 3))),
         max_grad_norm=1.0, noise_multiplier=0.0, seed=0)
     for x, aux in loader:
-        if aux.dim() == 2 and aux.shape[1] >= 3:
-            break
+        if aux.dim() == 2 and wanted(aux.shape[1]):
+            return model, opt, aux
         opt.step()
+    raise AssertionError("no batch of the wanted size")
+
+
+def test_a_guess_beside_told_tensors_on_one_memory_keeps_the_memory_it_alone_holds():
+    """Tenth review: leaving the guess out (the ninth review's fix) left its memory unlabelled, so a
+    time-first view of it passed at T C: x = buf[..., :d] (told) beside aux = buf[..., d:].squeeze()
+    (guessed) on one time-first buffer. A guess now labels the memory no told tensor holds."""
+    model, opt, aux = _time_first_aux(8, lambda b: b >= 3)
     with pytest.raises(fastdp.UnsupportedModuleError, match="not one sample each"):
         model(aux.unsqueeze(-1)).sum().backward()  # (T, B, 1): rows are time steps
     opt.zero_grad()
@@ -1442,20 +1449,7 @@ def test_a_guess_with_two_dims_of_the_batchs_length_beside_told_tensors_is_refus
     """Eleventh review: at B = T the guessed aux = buf[..., d:].squeeze() of a time-first buffer was read
     on dim 0, its time steps as samples: aux fed time-first passed at T C. Rows reaching memory only
     such a guess holds are refused (the correct aux.t() too: squeeze(-1) lets the probe place it)."""
-    from torch.nn.utils.rnn import pad_sequence
-    from torch.utils.data import DataLoader
-
-    data = [torch.randn(3, 3) for _ in range(40)]
-    model = nn.Linear(1, 1, bias=False)
-    model, opt, loader = fastdp.make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
-        data_loader=DataLoader(data, batch_size=3, collate_fn=lambda items: (lambda buf: (
-            buf[..., :2], buf[..., 2:].squeeze()))(pad_sequence(items) if items else torch.zeros(3, 0, 3))),
-        max_grad_norm=1.0, noise_multiplier=0.0, seed=0)
-    for x, aux in loader:
-        if aux.dim() == 2 and aux.shape[1] == 3:
-            break
-        opt.step()
+    model, opt, aux = _time_first_aux(3, lambda b: b == 3)
     for rows in (aux.unsqueeze(-1), aux.t().unsqueeze(-1)):
         with pytest.raises(fastdp.UnsupportedModuleError, match="not one sample each"):
             model(rows).sum().backward()
