@@ -119,21 +119,35 @@ def _fully_told(dims: Optional[List[SampleDim]]) -> bool:
     return dims is not None and all(isinstance(k, int) or k == SHARED for _, k in dims)
 
 
-def _samples_first(t: torch.Tensor, dim: SampleDim, size: Optional[int]) -> Tuple[Optional[torch.Tensor], bool, bool]:
-    """``(t with its samples on dim 0, or None where it holds no row per sample; whether they were
-    told, not guessed; whether its rows may not all be samples)``: ``dim`` from :func:`sample_dims`;
-    where that does not tell, guessed from the lengths: dim 0 if it is ``size`` long (the batch's
-    sampled count), else the one dim that is, else dim 0 (rows of items the collate dropped, or of
-    what the samples share)."""
+def _one_length(t: torch.Tensor, size: Optional[int]) -> Optional[int]:
+    """The one dim of strided ``t`` that is ``size`` long (the batch's sampled count), else None."""
+    if size is None or t.layout != torch.strided or t.is_nested:
+        return None
+    lengths = [j for j, n in enumerate(t.shape) if n == size]
+    return lengths[0] if len(lengths) == 1 else None
+
+
+def _samples_first(t: torch.Tensor, dim: SampleDim, size: Optional[int],
+                   earlier: Optional[int] = None) -> Tuple[Optional[torch.Tensor], Optional[str], bool]:
+    """``(t with its samples on dim 0, or None where it holds no row per sample; how they were found;
+    whether its rows may not all be samples)``: ``dim`` from :func:`sample_dims` (``"told"``); where
+    that does not tell, guessed from the lengths (``"guessed"``): the one dim ``size`` long (the
+    batch's sampled count), else dim 0 (rows of items the collate dropped, or of what the samples
+    share); where two dims are, ``earlier`` (the dim this tensor's guess found on batches where
+    one was), else dim 0, ``"unclear"``."""
     ndim, k = dim
     if t.dim() == 0 or (ndim == t.dim() and k == SHARED):
-        return None, False, False
+        return None, None, False
     if ndim == t.dim() and isinstance(k, int):
-        return (t.movedim(k, 0) if k else t), True, False
-    if size is None or t.shape[0] == size or t.layout != torch.strided or t.is_nested:
-        return t, False, False
-    lengths = [j for j, n in enumerate(t.shape) if n == size]
-    return (t.movedim(lengths[0], 0), False, False) if len(lengths) == 1 else (t, False, True)
+        return (t.movedim(k, 0) if k else t), "told", False
+    if size is None or t.layout != torch.strided or t.is_nested:
+        return t, "unclear" if size is not None and t.shape.count(size) > 1 else "guessed", False
+    one = _one_length(t, size)
+    if one is None and t.shape.count(size) > 1 and earlier is not None and t.shape[earlier] == size:
+        one = earlier
+    if one is not None:
+        return (t.movedim(one, 0) if one else t), "guessed", False
+    return t, "unclear" if t.shape.count(size) > 1 else "guessed", t.shape[0] != size
 
 
 class _OnRoot:
@@ -406,6 +420,9 @@ class BatchLedger:
         # loader of that seed (PoissonBatchSampler.released_count): batch number n is its index n - 1
         self.released = released
         self._warned_replay = self._warned_untold = False
+        # (ranks of a batch's tensors, place of one) -> the sample dim its guess found where one dim alone had the
+        # batch's length (None once two batches disagreed): a time-first (T, B) tensor at B = T is read by it
+        self._guessed: Dict[tuple, Optional[int]] = {}
         self.restart(taken)
 
     def restart(self, taken: int) -> None:
@@ -454,16 +471,18 @@ class BatchLedger:
         by_root = TensorMap()  # root -> _OnRoot
         tensors = list(_tensors_in(batch.batch))
         dims = batch.dims if batch.dims is not None and len(batch.dims) == len(tensors) else repeat(UNTOLD)
-        for t, dim in zip(tensors, dims):
+        ranks = tuple(t.dim() for t in tensors)
+        for place, (t, dim) in enumerate(zip(tensors, dims)):
             for u in (t, t._base):
                 if u is not None:
                     self.handed[u] = self.taken
-            samples, told, foreign = _samples_first(t, dim, size)
+            samples, how, foreign = _samples_first(t, dim, size, self._guessed.get((ranks, place)))
+            one = _one_length(t, size) if how == "guessed" and size else None  # (an empty batch's shapes are made)
+            if one is not None:  # read where two dims have the batch's length; None once two batches disagree
+                self._guessed[(ranks, place)] = one if self._guessed.get((ranks, place), one) == one else None
             on_root = by_root.setdefault(t if t._base is None else t._base, _OnRoot())
-            if samples is not None and told:
-                on_root.told.append(samples)
-            elif samples is not None:  # guessed from lengths: unclear where two dims have the batch's length
-                (on_root.unclear if size is not None and t.shape.count(size) > 1 else on_root.guesses).append(samples)
+            if samples is not None:
+                {"told": on_root.told, "guessed": on_root.guesses, "unclear": on_root.unclear}[how].append(samples)
             on_root.foreign |= foreign
         for root, on_root in by_root.items():  # a tensor handed out again without samples loses its old layout
             self.layouts[root] = on_root.layout(self.handouts)

@@ -265,6 +265,36 @@ def test_a_collate_that_cannot_be_probed_warns_and_the_samples_are_guessed_from_
     assert ledger.sample_layout(positions).rows_of(positions.expand(5, 3)) == UNKNOWN  # shared or dropped items
 
 
+def test_a_guess_where_two_dims_have_the_batchs_length_reads_the_dim_earlier_batches_found():
+    """A time-first (T, B) tensor the collate does not place, at B = T, was read on dim 0 (its time steps as
+    samples; alone on its memory, a model feeding it time-first passed at T C). It is read by the dim its
+    guess found on the arrangement's earlier batches, where one dim alone had the batch's length; with no
+    such batch, or batches that disagree, it stays unclear."""
+    def hand_out(ledger, t, size):
+        ledger.take(Collated(t, None, None), size=size)
+        return ledger.sample_layout(t)
+
+    def read_on(ledger, x):  # the dim x's samples were read on
+        layout = ledger.sample_layout(x)
+        return [k for k, v in enumerate((x, x.t())) if layout.rows_of(v) == (0, 1, 4)]
+
+    ledger = BatchLedger()
+    x = torch.randn(4, 4)
+    hand_out(ledger, x, 4)
+    assert read_on(ledger, x) == [0]  # no batch before: dim 0
+    hand_out(ledger, torch.randn(4, 6), 6)  # samples on dim 1
+    hand_out(ledger, x, 4)
+    assert read_on(ledger, x) == [1] and ledger.sample_layout(x).rows_of(x) is None
+    y = torch.randn(4, 4, 2)
+    hand_out(ledger, y, 4)  # another arrangement of ranks: nothing found for it
+    assert ledger.sample_layout(y).rows_of(y) == (0, 1, 4)
+    hand_out(ledger, torch.randn(5, 4), 5)  # samples on dim 0: the batches disagree
+    for other in (torch.randn(3, 6), torch.randn(6, 3)):  # and no later batch decides
+        hand_out(ledger, x, 4)
+        assert read_on(ledger, x) == [0]
+        hand_out(ledger, other, 6)
+
+
 def test_batches_are_not_kept_alive_by_the_ledger():
     """The sample layouts held every batch handed out for the whole run (sixth review: resident memory
     grew by each batch's size every step); they keep only where the tensors lay."""

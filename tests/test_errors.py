@@ -1412,10 +1412,11 @@ def test_a_flattened_view_handed_out_beside_the_batch_keeps_its_checks():
         model(flat).sum().backward()
 
 
-def _time_first_aux(batch_size, wanted):
-    """(model, optimizer, aux) of the first batch with ``wanted(B)``, from a collate returning
+def _time_first_aux(batch_size, wanted, seed=0):
+    """(model, optimizer, aux, earlier) of the first batch with ``wanted(B)``, from a collate returning
     x = buf[..., :2] (told) and aux = buf[..., 2:].squeeze() (guessed: squeeze() drops a batch of one's
-    dim too) of one time-first (T = 3, B, 3) buffer; earlier batches stepped past."""
+    dim too) of one time-first (T = 3, B, 3) buffer; earlier batches stepped past, ``earlier``: whether
+    one of them had an aux of two dims."""
     from torch.nn.utils.rnn import pad_sequence
     from torch.utils.data import DataLoader
 
@@ -1425,32 +1426,80 @@ def _time_first_aux(batch_size, wanted):
         module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
         data_loader=DataLoader(data, batch_size=batch_size, collate_fn=lambda items: (lambda buf: (
             buf[..., :2], buf[..., 2:].squeeze()))(pad_sequence(items) if items else torch.zeros(3, 0, 3))),
-        max_grad_norm=1.0, noise_multiplier=0.0, seed=0)
+        max_grad_norm=1.0, noise_multiplier=0.0, seed=seed, loss_reduction="sum")
+    earlier = False
     for x, aux in loader:
         if aux.dim() == 2 and wanted(aux.shape[1]):
-            return model, opt, aux
+            return model, opt, aux, earlier
+        earlier |= aux.dim() == 2
         opt.step()
     raise AssertionError("no batch of the wanted size")
+
+
+def _clipped_time_sums(aux):
+    """The summed gradient of Linear(1, 1)'s weight over the samples aux[:, i], each clipped to 1."""
+    sums = aux.sum(0)
+    return (sums * torch.clamp(1.0 / (sums.abs() + EPS), max=1.0)).sum()
 
 
 def test_a_guess_beside_told_tensors_on_one_memory_keeps_the_memory_it_alone_holds():
     """Tenth review: leaving the guess out (the ninth review's fix) left its memory unlabelled, so a
     time-first view of it passed at T C: x = buf[..., :d] (told) beside aux = buf[..., d:].squeeze()
     (guessed) on one time-first buffer. A guess now labels the memory no told tensor holds."""
-    model, opt, aux = _time_first_aux(8, lambda b: b >= 3)
+    model, opt, aux, _ = _time_first_aux(8, lambda b: b >= 3)
     with pytest.raises(fastdp.UnsupportedModuleError, match="not one sample each"):
         model(aux.unsqueeze(-1)).sum().backward()  # (T, B, 1): rows are time steps
     opt.zero_grad()
     model(aux.t().unsqueeze(-1)).sum().backward()  # (B, T, 1)
     opt.step()
+    torch.testing.assert_close(model.weight.grad.sum(), _clipped_time_sums(aux) / opt.expected_batch_size)
 
 
-def test_a_guess_with_two_dims_of_the_batchs_length_beside_told_tensors_is_refused():
+@pytest.mark.parametrize("seed", [0, 3])
+def test_a_guess_with_two_dims_of_the_batchs_length_beside_told_tensors_reads_earlier_batches_or_is_refused(seed):
     """Eleventh review: at B = T the guessed aux = buf[..., d:].squeeze() of a time-first buffer was read
-    on dim 0, its time steps as samples: aux fed time-first passed at T C. Rows reaching memory only
-    such a guess holds are refused (the correct aux.t() too: squeeze(-1) lets the probe place it)."""
-    model, opt, aux = _time_first_aux(3, lambda b: b == 3)
-    for rows in (aux.unsqueeze(-1), aux.t().unsqueeze(-1)):
+    on dim 0, its time steps as samples: aux fed time-first passed at T C. It is read by the dim its guess
+    found on earlier batches (where one dim alone had the batch's length): aux.t() is exact. With no such
+    batch (seed 3: B = T first), rows reaching memory only it holds are refused, aux.t() too (squeeze(-1)
+    lets the probe place it)."""
+    model, opt, aux, earlier = _time_first_aux(3, lambda b: b == 3, seed)
+    assert earlier == (seed == 0)
+    for rows in (aux.unsqueeze(-1), aux.t().unsqueeze(-1))[:1 if earlier else 2]:
         with pytest.raises(fastdp.UnsupportedModuleError, match="not one sample each"):
             model(rows).sum().backward()
         opt.zero_grad()
+    if earlier:
+        model(aux.t().unsqueeze(-1)).sum().backward()
+        opt.step()
+        torch.testing.assert_close(model.weight.grad.sum(), _clipped_time_sums(aux) / opt.expected_batch_size)
+
+
+def test_a_tensor_alone_on_its_memory_with_two_dims_of_the_batchs_length_reads_earlier_batches():
+    """A time-first (T, B) batch from a collate the probe cannot read (it merges repeated records: no
+    tensor grows), alone on its memory, at B = T: it was read on dim 0, so a model feeding it time-first
+    passed at T C and the transposed batch was refused. Read by the dim earlier batches found: the
+    time-first use is refused, the transposed one exact."""
+    from torch.utils.data import DataLoader
+
+    T = 3
+    data = [torch.randn(T) for _ in range(40)]
+    model = nn.Linear(1, 1, bias=False)
+    model, opt, loader = fastdp.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),
+        data_loader=DataLoader(data, batch_size=3, collate_fn=lambda items: torch.stack(
+            list({id(x): x for x in items}.values()), 1) if items else torch.zeros(T, 0)),
+        max_grad_norm=1.0, noise_multiplier=0.0, seed=0, loss_reduction="sum")
+    sizes = []
+    for aux in loader:
+        if aux.shape[1] == T and any(b not in (0, T) for b in sizes):
+            break
+        sizes.append(aux.shape[1])
+        opt.step()
+    with pytest.raises(fastdp.UnsupportedModuleError, match="not one sample each"):
+        model(aux.unsqueeze(-1)).sum().backward()  # (T, B, 1): rows are time steps
+    opt.zero_grad()
+    model(aux.t().unsqueeze(-1)).sum().backward()
+    opt.step()
+    torch.testing.assert_close(model.weight.grad.sum(), _clipped_time_sums(aux) / opt.expected_batch_size)
+
+
