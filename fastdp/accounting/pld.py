@@ -163,7 +163,8 @@ def _clipped_loss_range(direction: str, sigma: float, q: float, tail: float) -> 
 
 def _remove_loss(x: float, sigma: float, q: float) -> float:
     """log(1 - q + q exp((2x - 1) / (2 sigma^2))), computed without overflow."""
-    u = (2.0 * x - 1.0) / (2.0 * (sigma * sigma))
+    with np.errstate(over="ignore", divide="ignore"):  # sigma^2 underflowing: +-inf, no privacy (read as such)
+        u = (2.0 * x - 1.0) / (2.0 * (sigma * sigma))
     if q == 1.0:
         return u
     return float(np.logaddexp(math.log1p(-q), math.log(q) + u))
