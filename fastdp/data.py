@@ -119,35 +119,55 @@ def _fully_told(dims: Optional[List[SampleDim]]) -> bool:
     return dims is not None and all(isinstance(k, int) or k == SHARED for _, k in dims)
 
 
-def _one_length(t: torch.Tensor, size: Optional[int]) -> Optional[int]:
-    """The one dim of strided ``t`` that is ``size`` long (the batch's sampled count), else None."""
-    if size is None or t.layout != torch.strided or t.is_nested:
+def _batch_length_dims(t: torch.Tensor, size: Optional[int]) -> Optional[frozenset]:
+    """The dims of strided ``t`` that are ``size`` long (the batch's sampled count); None where that
+    tells nothing (no count, or an empty batch, whose shapes are made up)."""
+    if not size or t.layout != torch.strided or t.is_nested:
         return None
-    lengths = [j for j, n in enumerate(t.shape) if n == size]
-    return lengths[0] if len(lengths) == 1 else None
+    return frozenset(j for j, n in enumerate(t.shape) if n == size)
 
 
-def _samples_first(t: torch.Tensor, dim: SampleDim, size: Optional[int],
-                   earlier: Optional[int] = None) -> Tuple[Optional[torch.Tensor], Optional[str], bool]:
+def _samples_first(t: torch.Tensor, dim: SampleDim, size: Optional[int]) -> Tuple[Optional[torch.Tensor], str, bool]:
     """``(t with its samples on dim 0, or None where it holds no row per sample; how they were found;
     whether its rows may not all be samples)``: ``dim`` from :func:`sample_dims` (``"told"``); where
-    that does not tell, guessed from the lengths (``"guessed"``): the one dim ``size`` long (the
-    batch's sampled count), else dim 0 (rows of items the collate dropped, or of what the samples
-    share); where two dims are, ``earlier`` (the dim this tensor's guess found on batches where
-    one was), else dim 0, ``"unclear"``."""
+    that does not tell, guessed from the lengths (``"guessed"``): dim 0 if it is ``size`` long (the
+    batch's sampled count), else the one dim that is, else dim 0 (rows of items the collate
+    dropped, or of what the samples share); ``"unclear"`` where two dims are."""
     ndim, k = dim
     if t.dim() == 0 or (ndim == t.dim() and k == SHARED):
-        return None, None, False
+        return None, "", False
     if ndim == t.dim() and isinstance(k, int):
         return (t.movedim(k, 0) if k else t), "told", False
-    if size is None or t.layout != torch.strided or t.is_nested:
-        return t, "unclear" if size is not None and t.shape.count(size) > 1 else "guessed", False
-    one = _one_length(t, size)
-    if one is None and t.shape.count(size) > 1 and earlier is not None and t.shape[earlier] == size:
-        one = earlier
-    if one is not None:
-        return (t.movedim(one, 0) if one else t), "guessed", False
-    return t, "unclear" if t.shape.count(size) > 1 else "guessed", t.shape[0] != size
+    how = "unclear" if size is not None and t.shape.count(size) > 1 else "guessed"
+    if size is None or t.shape[0] == size or t.layout != torch.strided or t.is_nested:
+        return t, how, False
+    lengths = [j for j, n in enumerate(t.shape) if n == size]
+    return (t.movedim(lengths[0], 0), how, False) if len(lengths) == 1 else (t, how, True)
+
+
+class _LengthsSeen:
+    """For one tensor of a collate's batches (by its path in the batch and its rank), the dims that had
+    the batch's length on every non-empty batch where its samples were guessed, and on how many of them
+    one dim alone had it: where that leaves one dim, found on two batches at least, it is where the
+    samples lie when two dims have the batch's length (a time-first (T, B) tensor at B = T). A collate
+    that drops or merges examples leaves the sample dim shorter than the count, so it drops out."""
+
+    __slots__ = ("dims", "alone")
+
+    def __init__(self) -> None:
+        self.dims: Optional[frozenset] = None
+        self.alone = 0
+
+    def add(self, lengths: frozenset) -> None:
+        self.dims = lengths if self.dims is None else self.dims & lengths
+        self.alone += len(lengths) == 1
+
+    def sample_dim(self, t: torch.Tensor, size: int) -> Optional[int]:
+        """The dim of ``t`` (of the batch's length) where its samples lie, if the batches before told."""
+        if self.dims is None or len(self.dims) != 1 or self.alone < 2:
+            return None
+        (k,) = self.dims
+        return k if k < t.dim() and t.shape[k] == size else None
 
 
 class _OnRoot:
@@ -158,17 +178,19 @@ class _OnRoot:
     def __init__(self) -> None:
         self.told: List[torch.Tensor] = []
         self.guesses: List[torch.Tensor] = []
-        self.unclear: List[torch.Tensor] = []  # guesses with two dims of the batch's length
+        # guesses with two dims of the batch's length: (read on dim 0, read where earlier batches found the samples)
+        self.unclear: List[Tuple[torch.Tensor, Optional[torch.Tensor]]] = []
         self.foreign = False  # a guess whose rows may not all be samples
 
     def layout(self, batch: int) -> Optional[SampleLayout]:
         """Guesses beside told tensors label only what those leave (a flattened view x.view(-1, d)
         beside x would have had every element claimed by two samples: nothing checked), unclear ones so
         that rows reaching it are refused (a time-first (T, B) tensor at B = T would have been read by
-        time step); None where no tensor holds samples."""
+        time step); alone, an unclear guess is read where earlier batches found its samples, else on
+        dim 0; None where no tensor holds samples."""
         if self.told:
-            return SampleLayout(self.told, batch, filling=self.guesses, unclear=self.unclear)
-        guesses = self.guesses + self.unclear
+            return SampleLayout(self.told, batch, filling=self.guesses, unclear=[t for t, _ in self.unclear])
+        guesses = self.guesses + [t if found is None else found for t, found in self.unclear]
         return SampleLayout(guesses, batch, guessed=self.foreign) if guesses else None
 
 
@@ -322,14 +344,19 @@ def _empty_like(batch: Any, dims: Iterator[SampleDim]) -> Any:
 
 def _tensors_in(batch: Any) -> Iterator[torch.Tensor]:
     """The tensors of a collated batch (in tuples, lists and mappings, at any depth)."""
+    return (t for _, t in _tensor_paths(batch))
+
+
+def _tensor_paths(batch: Any, path: tuple = ()) -> Iterator[Tuple[tuple, torch.Tensor]]:
+    """``(path, tensor)`` for each tensor of a collated batch, ``path`` the keys and indices leading to it."""
     if isinstance(batch, torch.Tensor):
-        yield batch
+        yield path, batch
     elif isinstance(batch, Mapping):
-        for v in batch.values():
-            yield from _tensors_in(v)
+        for k, v in batch.items():
+            yield from _tensor_paths(v, (*path, k))
     elif isinstance(batch, (list, tuple)):
-        for v in batch:
-            yield from _tensors_in(v)
+        for i, v in enumerate(batch):
+            yield from _tensor_paths(v, (*path, i))
 
 
 class EmptySafeCollate:
@@ -420,9 +447,7 @@ class BatchLedger:
         # loader of that seed (PoissonBatchSampler.released_count): batch number n is its index n - 1
         self.released = released
         self._warned_replay = self._warned_untold = False
-        # (ranks of a batch's tensors, place of one) -> the sample dim its guess found where one dim alone had the
-        # batch's length (None once two batches disagreed): a time-first (T, B) tensor at B = T is read by it
-        self._guessed: Dict[tuple, Optional[int]] = {}
+        self._lengths_seen: Dict[tuple, _LengthsSeen] = {}  # by (path in the batch, rank) of guessed tensors
         self.restart(taken)
 
     def restart(self, taken: int) -> None:
@@ -469,21 +494,29 @@ class BatchLedger:
                 "one sample guess it from the tensors' lengths, which fails where two dims have the batch's length",
                 UserWarning, stacklevel=user_stacklevel())
         by_root = TensorMap()  # root -> _OnRoot
-        tensors = list(_tensors_in(batch.batch))
-        dims = batch.dims if batch.dims is not None and len(batch.dims) == len(tensors) else repeat(UNTOLD)
-        ranks = tuple(t.dim() for t in tensors)
-        for place, (t, dim) in enumerate(zip(tensors, dims)):
+        paths = list(_tensor_paths(batch.batch))
+        dims = batch.dims if batch.dims is not None and len(batch.dims) == len(paths) else repeat(UNTOLD)
+        for (path, t), dim in zip(paths, dims):
             for u in (t, t._base):
                 if u is not None:
                     self.handed[u] = self.taken
-            samples, how, foreign = _samples_first(t, dim, size, self._guessed.get((ranks, place)))
-            one = _one_length(t, size) if how == "guessed" and size else None  # (an empty batch's shapes are made)
-            if one is not None:  # read where two dims have the batch's length; None once two batches disagree
-                self._guessed[(ranks, place)] = one if self._guessed.get((ranks, place), one) == one else None
+            samples, how, foreign = _samples_first(t, dim, size)
             on_root = by_root.setdefault(t if t._base is None else t._base, _OnRoot())
-            if samples is not None:
-                {"told": on_root.told, "guessed": on_root.guesses, "unclear": on_root.unclear}[how].append(samples)
+            if samples is None:
+                continue
+            if how == "told":
+                on_root.told.append(samples)
+                continue
+            seen = self._lengths_seen.setdefault((path, t.dim()), _LengthsSeen())
+            if how == "unclear":
+                found = seen.sample_dim(t, size)
+                on_root.unclear.append((samples, None if found is None else t.movedim(found, 0)))
+            else:
+                on_root.guesses.append(samples)
             on_root.foreign |= foreign
+            lengths = _batch_length_dims(t, size)
+            if lengths is not None:
+                seen.add(lengths)
         for root, on_root in by_root.items():  # a tensor handed out again without samples loses its old layout
             self.layouts[root] = on_root.layout(self.handouts)
             if root.layout == torch.strided and not root.is_nested:  # aliases (x.detach(), x.data) find it

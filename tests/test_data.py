@@ -265,34 +265,43 @@ def test_a_collate_that_cannot_be_probed_warns_and_the_samples_are_guessed_from_
     assert ledger.sample_layout(positions).rows_of(positions.expand(5, 3)) == UNKNOWN  # shared or dropped items
 
 
-def test_a_guess_where_two_dims_have_the_batchs_length_reads_the_dim_earlier_batches_found():
-    """A time-first (T, B) tensor the collate does not place, at B = T, was read on dim 0 (its time steps as
-    samples; alone on its memory, a model feeding it time-first passed at T C). It is read by the dim its
-    guess found on the arrangement's earlier batches, where one dim alone had the batch's length; with no
-    such batch, or batches that disagree, it stays unclear."""
-    def hand_out(ledger, t, size):
-        ledger.take(Collated(t, None, None), size=size)
-        return ledger.sample_layout(t)
-
-    def read_on(ledger, x):  # the dim x's samples were read on
+def test_a_lone_guess_where_two_dims_have_the_batchs_length_reads_the_one_dim_earlier_batches_had():
+    """A time-first (T, B) tensor the collate does not place, alone on its memory at B = T, was read on
+    dim 0 (its time steps as samples: a model feeding it time-first passed at T C). It is read on the
+    one dim that had the batch's length on every earlier non-empty batch, alone on two of them at least;
+    a collate that drops or merges examples shortens the sample dim, which then drops out (guess-memory
+    review: one such batch with L = B taught a batch-first tensor 'dim 1', and x.t() passed at 2 C).
+    Tensors are told apart by their path in the batch, not their place (a dict's key order may change)."""
+    def read_on(ledger, batch, size, key=None):  # the dim the samples of batch (or batch[key]) are read on
+        ledger.take(Collated(batch, None, None), size=size)
+        x = batch if key is None else batch[key]
         layout = ledger.sample_layout(x)
-        return [k for k, v in enumerate((x, x.t())) if layout.rows_of(v) == (0, 1, 4)]
+        return [k for k, v in enumerate((x, x.transpose(0, 1))) if layout.rows_of(v) == (0, 1, size)]
 
     ledger = BatchLedger()
-    x = torch.randn(4, 4)
-    hand_out(ledger, x, 4)
-    assert read_on(ledger, x) == [0]  # no batch before: dim 0
-    hand_out(ledger, torch.randn(4, 6), 6)  # samples on dim 1
-    hand_out(ledger, x, 4)
-    assert read_on(ledger, x) == [1] and ledger.sample_layout(x).rows_of(x) is None
-    y = torch.randn(4, 4, 2)
-    hand_out(ledger, y, 4)  # another arrangement of ranks: nothing found for it
-    assert ledger.sample_layout(y).rows_of(y) == (0, 1, 4)
-    hand_out(ledger, torch.randn(5, 4), 5)  # samples on dim 0: the batches disagree
-    for other in (torch.randn(3, 6), torch.randn(6, 3)):  # and no later batch decides
-        hand_out(ledger, x, 4)
-        assert read_on(ledger, x) == [0]
-        hand_out(ledger, other, 6)
+    assert read_on(ledger, torch.randn(4, 4), 4) == [0]  # nothing before: dim 0
+    assert read_on(ledger, torch.randn(4, 6), 6) == [1]  # samples on dim 1
+    assert read_on(ledger, torch.randn(4, 4), 4) == [0]  # one batch is not enough
+    read_on(ledger, torch.randn(4, 3), 3)
+    assert read_on(ledger, torch.randn(4, 4), 4) == [1] and read_on(ledger, torch.randn(4, 4, 2), 4) == [0]  # rank 3
+    read_on(ledger, torch.zeros(4, 0), 0)  # an empty batch's shapes tell nothing
+    assert read_on(ledger, torch.randn(4, 4), 4) == [1]
+    read_on(ledger, torch.randn(5, 3), 5)  # a batch-first shape, or an example dropped: no dim had it every time
+    for _ in range(3):
+        read_on(ledger, torch.randn(4, 6), 6)
+        assert read_on(ledger, torch.randn(4, 4), 4) == [0]
+
+    ledger = BatchLedger()  # merged examples: B' = 3 < 4 with L = 4, twice; then one with B = 4, L = 2
+    for shape in ((3, 4), (3, 4), (4, 2)):
+        read_on(ledger, torch.randn(shape), 4)
+    assert read_on(ledger, torch.randn(4, 4), 4) == [0]
+
+    ledger = BatchLedger()  # by path: {"audio": time-first, "text": batch-first}, keys in either order
+    for size, order in ((5, "at"), (6, "ta"), (3, "at")):
+        batch = {"audio": torch.randn(4, size), "text": torch.randn(size, 2)}
+        read_on(ledger, dict(sorted(batch.items(), reverse=order == "ta")), size, "text")
+    batch = {"text": torch.randn(4, 4), "audio": torch.randn(4, 4)}
+    assert read_on(ledger, batch, 4, "text") == [0] and read_on(ledger, batch, 4, "audio") == [1]
 
 
 def test_batches_are_not_kept_alive_by_the_ledger():
