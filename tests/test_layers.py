@@ -1,5 +1,6 @@
 """Each layer family's clipped sum equals the per-example reference in float64 (hypothesis shapes)."""
 import copy
+import os
 
 import pytest
 import torch
@@ -582,3 +583,24 @@ def test_a_parents_alias_of_a_layers_parameter_is_not_refused():
     refused as a parameter fastdp cannot clip (adversarial review)."""
     torch.manual_seed(0)
     check_exact(_AliasingParent(), [torch.randn(5, 4)])
+
+
+@pytest.mark.parametrize("setting,matmul,conv", [
+    ("", False, True),  # torch's defaults: cuBLAS in IEEE float32, cuDNN convolutions in TF32
+    ("torch.backends.cuda.matmul.fp32_precision = 'tf32'", True, True),
+    ("torch.backends.fp32_precision = 'tf32'", True, True),
+    ("torch.backends.cudnn.conv.fp32_precision = 'ieee'", False, False),
+    ("torch.backends.fp32_precision = 'ieee'", False, False),
+    ("torch.set_float32_matmul_precision('high')", True, True),
+])
+def test_the_tf32_setting_is_read_under_either_of_torchs_apis(setting, matmul, conv):
+    """The rounding allowance of CUDA ghost norms read torch's legacy allow_tf32 flags, which raise once
+    its fp32_precision settings are used: every CUDA backward of a sequence Linear or a Conv failed for a
+    user of those (GPU-path review, by reading: no GPU). In a subprocess, as the settings are global."""
+    import subprocess
+    import sys
+
+    code = f"import torch\nfrom fastdp.layers.base import tf32_in_use\n{setting}\nprint(tf32_in_use('matmul'), tf32_in_use('conv'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.stdout.split() == [str(matmul), str(conv)]

@@ -233,6 +233,23 @@ def with_rounding_allowance(sq_norms: torch.Tensor, slack: torch.Tensor, seq: in
     return (sq_norms.clamp(min=0).sqrt_() + gamma * slack).square_()  # a Gram sum can round below 0
 
 
+def tf32_in_use(kind: str) -> bool:
+    """Whether CUDA float32 contractions of ``kind`` ("matmul": cuBLAS, "conv": cuDNN) may run in TF32.
+    torch's legacy ``allow_tf32`` flags raise once its ``fp32_precision`` settings have been used (even
+    only those): then the first of those, from the operator's up to the global one, that is not "none"
+    (inherit) tells; none set, or anything but "ieee", counts as TF32 (the larger, safe allowance)."""
+    legacy = torch.backends.cuda.matmul if kind == "matmul" else torch.backends.cudnn
+    try:
+        return bool(legacy.allow_tf32)
+    except RuntimeError:
+        chain = (torch.backends.cuda.matmul,) if kind == "matmul" else (torch.backends.cudnn.conv, torch.backends.cudnn)
+        for setting in (*chain, torch.backends):
+            precision = getattr(setting, "fp32_precision", "none")
+            if precision != "none":
+                return precision != "ieee"
+        return True
+
+
 def with_gram_allowance(sq_norms: torch.Tensor, slack: torch.Tensor, terms: int) -> torch.Tensor:
     """Squared ghost norms (float64 (B,)) widened by their own rounding: ``sum_{s,t} (a_s . a_t)(g_s . g_t)``
     from float64 Grams errs by up to ``terms u64 S_i^2`` (``terms = d + p + 2 T^2``, ``S_i`` the slack of

@@ -41,7 +41,7 @@ from torch import nn
 from fastdp import ops
 from fastdp.layers import register
 from fastdp.layers.base import (LayerRule, Record, Tap, as_dtype, batch_chunks, check_batched, expand_like,
-                                weighted_sum, with_gram_allowance, with_rounding_allowance)
+                                tf32_in_use, weighted_sum, with_gram_allowance, with_rounding_allowance)
 from fastdp.layers.linear import route_costs
 from fastdp.ops import sample_sq_norms
 
@@ -420,7 +420,7 @@ class ConvRule(LayerRule):
         _, spec, weight = self._operands(rec)
         g = rec.grad_output
         return with_rounding_allowance(sq_norms, self._slack(rec), self._linear_dims(g, spec, weight)[0], g.dtype,
-                                       g.is_cuda and torch.backends.cudnn.allow_tf32)
+                                       g.is_cuda and tf32_in_use("conv"))
 
     def per_sample_grads(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
         x, spec, weight = self._operands(rec)

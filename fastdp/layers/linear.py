@@ -21,7 +21,7 @@ from torch import nn
 from fastdp import ops
 from fastdp.layers import register
 from fastdp.layers.base import (LayerRule, Record, Tap, UnsupportedModuleError, as_dtype, batch_chunks,
-                                in_layout_of, weighted_sum, with_gram_allowance, with_rounding_allowance)
+                                in_layout_of, tf32_in_use, weighted_sum, with_gram_allowance, with_rounding_allowance)
 from fastdp.ops import sample_sq_norms
 
 
@@ -123,7 +123,7 @@ class LinearRule(LayerRule):
                 slack = slack.view(batch, seq).sum(1)
                 out[name] = with_rounding_allowance(sq_norms_3d(a, g, slack), slack, seq,
                                                     torch.promote_types(a.dtype, g.dtype),
-                                                    a.is_cuda and torch.backends.cuda.matmul.allow_tf32)
+                                                    a.is_cuda and tf32_in_use("matmul"))
             else:  # the bias's per-sample gradients are small: sum over T once
                 out[name] = sample_sq_norms(self.cached_grads(rec, [name])[name])
         return out
