@@ -177,6 +177,10 @@ def conv_sq_norms(x: torch.Tensor, g: torch.Tensor, spec, ghost: bool, keep_grad
                             dtype=dtype)
     bias = torch.empty(g.shape[0], g.shape[1], dtype=dtype) if bias_grads else None
     weight = None if input_weight is None else ops.kernel_operand(input_weight, dtype)
+    if weight is not None and tuple(weight.shape) != (g.shape[1], x.shape[1] // spec.groups, *spec.kernel):
+        # the kernel reads groups x d x p floats from its address, whatever the tensor holds
+        raise ValueError(f"conv_sq_norms: input_weight of shape {tuple(weight.shape)} is not the convolution's "
+                         f"{(g.shape[1], x.shape[1] // spec.groups, *spec.kernel)}")
     grad_input = None if weight is None else torch.empty(x.shape, dtype=dtype)
     finite = _C.conv2d_sq_norms(x4.data_ptr(), g4.data_ptr(), [*x4.shape, *g4.shape[1:]],
                                 [spec.groups, *kernel, *stride, *padding, *dilation], dtype == torch.float64, ghost,

@@ -105,6 +105,15 @@ def test_several_tiles_each_way(ghost, dtype):
     _check(native.conv_sq_norms(x, g, spec, ghost, keep_grads=True, input_weight=weight), x, g, spec, weight)
 
 
+@pytest.mark.parametrize("shape", [(70, 7, 3, 1), (70, 7, 3), (1,), (35, 7, 3, 3)])
+def test_an_input_weight_of_another_shape_is_refused(shape):
+    """The kernel reads C_out x C_in / groups x kernel floats from the weight's address whatever the
+    tensor holds: a smaller weight was read past its end, a garbage input gradient (kernel review)."""
+    x, g, spec = _case(2, 2, 1, 7, 70, 3, 1, 1, 1, 6, torch.float32, 0)
+    with pytest.raises(ValueError, match="is not the convolution's"):
+        native.conv_sq_norms(x, g, spec, False, input_weight=torch.randn(shape))
+
+
 def test_ghost_route_survives_cancellation():
     """Equal patches at every position (a constant image) and output gradients that sum to
     1e-3 of their size: the ghost terms cancel to ~1e-6 of theirs. Float64 Grams keep the norm
