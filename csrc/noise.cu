@@ -1,5 +1,6 @@
 // Fused DP noise on CUDA: dst = (src + std * z) / divisor for many tensors in one launch,
-// z from the Philox stream of philox.h (the same numbers as the C++ and Triton kernels).
+// z from the Philox stream of philox.h, as the C++ and Triton kernels draw it (float32 results agree up to
+// rounding: FMA contraction, and compiled Triton divides and takes square roots approximately).
 // Float32 only: its normals are float32, on whose grid a float64 sum's low bits would show.
 // Plain CUDA without torch headers, built into a shared library by `make cuda-lib` and
 // called through ctypes by fastdp/_cuda_ops.py.
