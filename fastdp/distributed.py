@@ -25,9 +25,10 @@ from __future__ import annotations
 import hashlib
 from typing import Dict, List, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Subset
 
 from fastdp.data import PoissonBatchSampler, PoissonDataLoader, _loader_kwargs, dataset_and_rate
 from fastdp.optimizer import DPOptimizer
@@ -42,6 +43,23 @@ def _rank_world(rank: Optional[int], world_size: Optional[int], group=None):
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} outside a world of {world_size}")
     return int(rank), int(world_size)
+
+
+def _digest(value) -> float:
+    """48 bits of a SHA-256 of ``repr(value)``, exact in float64 (for a MAX all-reduce)."""
+    return float(int.from_bytes(hashlib.sha256(repr(value).encode()).digest()[:6], "little"))
+
+
+def _dataset_fingerprint(dataset) -> tuple:
+    """What tells two ranks' datasets apart without reading an example: each level's type and size down a
+    chain of ``Subset`` s, and a digest of each level's indices."""
+    parts = []
+    while True:
+        parts.append((type(dataset).__name__, len(dataset)))
+        if not isinstance(dataset, Subset):
+            return tuple(parts)
+        parts.append(hashlib.sha256(np.asarray(dataset.indices, dtype=np.int64).tobytes()).hexdigest())
+        dataset = dataset.dataset
 
 
 def _first_rank(group) -> int:
@@ -106,8 +124,25 @@ def distributed_poisson_loader(data_loader: DataLoader, sample_rate: Optional[fl
     dataset, n, sample_rate = dataset_and_rate(data_loader, sample_rate)
     sampler = DistributedPoissonBatchSampler(n, sample_rate, steps, seed, secure_mode, rank, world_size,
                                              process_group)
+    if rank is None and world_size is None:  # the group's ranks, which all build their loader here
+        _check_same_dataset(dataset, process_group)
     return PoissonDataLoader(dataset, sampler, collate_fn=data_loader.collate_fn,
                              **_loader_kwargs(data_loader))
+
+
+def _check_same_dataset(dataset, process_group) -> None:
+    """Rank r samples the indices r, r + W, ... of its own dataset: every rank must hold the same examples
+    in the same order, or one example lands in several ranks' shards (sensitivity above C) and others in
+    none. Refused, on every rank, where their sizes or ``Subset`` indices differ (a split drawn per rank)."""
+    prints = [None] * dist.get_world_size(process_group)
+    dist.all_gather_object(prints, _dataset_fingerprint(dataset), group=process_group)
+    other = next((r for r, p in enumerate(prints) if p != prints[0]), None)
+    if other is not None:
+        raise ValueError(
+            f"the ranks' datasets differ (rank {other}'s size or Subset indices are not rank 0's: a random_split or "
+            "randperm drawn with a per-rank seed?): each rank samples its shard r, r + W, ... of its own dataset, so "
+            "every rank must hold the same examples in the same order, or an example lands in several ranks' shards "
+            "(sensitivity above C) and others in none; give every rank the whole dataset, split with one seed")
 
 
 class DistributedDPOptimizer(DPOptimizer):
@@ -124,7 +159,11 @@ class DistributedDPOptimizer(DPOptimizer):
         self.process_group = process_group
         self.rank, self.world_size = _rank_world(None, None, process_group)
         super().__init__(optimizer, **kwargs)
-        self._broadcast_state(_first_rank(process_group))
+        try:
+            self._broadcast_state(_first_rank(process_group))
+        except BaseException:  # refused with the module hooked: leave it as it was, so that it can be built again
+            self.detach()
+            raise
 
     def _broadcast_state(self, src: int) -> None:
         """Every rank starts from rank ``src``'s parameters and buffers. gloo sends a tensor's
@@ -181,21 +220,25 @@ class DistributedDPOptimizer(DPOptimizer):
                 "a step that failed midway cannot be retried in a data-parallel run (a rank that failed alone left "
                 "the others in their collectives): give it up with zero_grad() on every rank, or restart the ranks "
                 "from a checkpoint")
-        rest = repr((self.clipping.settings(), self.engine.loss_reduction))
-        digest = int.from_bytes(hashlib.sha256(rest.encode()).digest()[:6], "little")  # exact in float64
+        # the sums are added element by element in flat buffers: every rank must list the same parameters in the
+        # same order (an optimizer built from a set() orders them by id(), which differs between processes)
+        params = [(self.engine.names.get(p, "?"), tuple(p.shape), p.dtype, p.requires_grad) for p in self.engine.params]
         rate = self._loader_rate()
         named = {"the clipping sensitivity (max_grad_norm)": self.clipping.sensitivity,
                  "expected_batch_size": float(self.expected_batch_size),
                  # rank 0's accountant counts its own loader's rate: every rank's must draw at it
                  "the attached loader's sample rate (-1: none attached)": -1.0 if rate is None else float(rate),
-                 "the clipping settings (clipping mode, per-layer bounds, gamma or loss_reduction)": float(digest)}
+                 "the clipping settings (clipping mode, per-layer bounds, gamma or loss_reduction)":
+                     _digest((self.clipping.settings(), self.engine.loss_reduction)),
+                 "the private parameters (their names, shapes, dtypes, requires_grad, and order in the optimizer)":
+                     _digest(params)}
         values = torch.tensor([v for x in named.values() for v in (x, -x)], dtype=torch.float64,
                               device=self.engine.params[0].device if self.engine.params else "cpu")
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.process_group)
         for i, name in enumerate(named):
             high, low = values[2 * i].item(), -values[2 * i + 1].item()
             if high != low:
-                spread = "" if name.startswith("the clipping settings") else f" (from {low:.6g} to {high:.6g})"
+                spread = "" if name.startswith(("the clipping settings", "the private")) else f" (from {low:.6g} to {high:.6g})"
                 raise ValueError(
                     f"the ranks disagree on {name}{spread}: every rank must clip, divide and sample as rank 0 "
                     "does, whose noise and accountant cover only its own settings; set the same values on all "

@@ -168,6 +168,30 @@ def worker(rank, port, out):
                                    max_grad_norm=C, expected_batch_size=1.0)
         except ValueError as exc:
             result["expanded"] = str(exc)
+        model.spread = model.spread.clone()  # the fix the refusal asks for: the module was left unhooked
+        opt = DistributedDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), module=model, noise_multiplier=1.0,
+                                     max_grad_norm=C, expected_batch_size=1.0)
+        result["rebuilt"] = opt.steps == 0
+        # 10. ranks listing the private parameters in another order (an optimizer built from a set(), ordered by
+        # id()): the flat all-reduce added one rank's weight to another's bias, the replicas drifted apart
+        model = make_model(7)
+        params = list(model.parameters())
+        opt = DistributedDPOptimizer(torch.optim.SGD(params[::-1] if rank else params, lr=0.5), module=model,
+                                     noise_multiplier=1.0, max_grad_norm=C, expected_batch_size=1.0)
+        try:
+            opt.step()
+        except ValueError as exc:
+            result["order"] = (str(exc), opt.steps)
+        # 11. ranks whose datasets differ (a split drawn with a per-rank seed): rank r's shard r::W of its own
+        # order overlapped the others', one example in two ranks' sums (2 C) and others in none
+        g = torch.Generator().manual_seed(rank)
+        try:
+            distributed_poisson_loader(DataLoader(torch.utils.data.Subset(TensorDataset(x, y),
+                                                                          torch.randperm(N, generator=g).tolist())))
+        except ValueError as exc:
+            result["datasets"] = str(exc)
+        split = torch.utils.data.Subset(TensorDataset(x, y), torch.randperm(N, generator=torch.Generator().manual_seed(5)))
+        result["same_split"] = len(distributed_poisson_loader(DataLoader(split), sample_rate=RATE).dataset)
         torch.save(result, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -321,3 +345,20 @@ def test_buffers_that_are_strided_views_are_synchronised_in_place(runs):
     assert torch.equal(view1[:, 2:], torch.randn(4, 4)[:, 2:])
     for rank in runs:
         assert "spread is an expanded view" in rank["expanded"]
+    assert all(rank["rebuilt"] for rank in runs)  # refused, the module was left unhooked: built again after .clone()
+
+
+def test_ranks_that_list_the_parameters_in_another_order_are_refused(runs):
+    """The flat all-reduce added the ranks' sums element by element: rank 1's parameters in reverse order
+    were accepted and the replicas drifted apart (distributed review). Refused before the step counts."""
+    for rank in runs:
+        message, steps = rank["order"]
+        assert "the private parameters" in message and steps == 0
+
+
+def test_ranks_whose_datasets_differ_are_refused(runs):
+    """A split drawn with a per-rank seed: rank r's shard r::W of its own order overlapped the others'
+    (the same example in two ranks' sums in 169 of 400 steps, 2 C; distributed review). A split drawn
+    with one seed on every rank is taken."""
+    for rank in runs:
+        assert "the ranks' datasets differ" in rank["datasets"] and rank["same_split"] == N
