@@ -121,8 +121,9 @@ def _fully_told(dims: Optional[List[SampleDim]]) -> bool:
 
 def _batch_length_dims(t: torch.Tensor, size: Optional[int]) -> Optional[frozenset]:
     """The dims of strided ``t`` that are ``size`` long (the batch's sampled count); None where that
-    tells nothing (no count, or an empty batch, whose shapes are made up)."""
-    if not size or t.layout != torch.strided or t.is_nested:
+    tells nothing: no count, an empty batch (whose shapes are made up), or a tensor without elements (a
+    collate that dropped every example: nothing was read from it)."""
+    if not size or not t.numel() or t.layout != torch.strided or t.is_nested:
         return None
     return frozenset(j for j, n in enumerate(t.shape) if n == size)
 

@@ -291,6 +291,11 @@ def test_a_lone_guess_where_two_dims_have_the_batchs_length_reads_the_one_dim_ea
         read_on(ledger, torch.randn(4, 6), 6)
         assert read_on(ledger, torch.randn(4, 4), 4) == [0]
 
+    ledger = BatchLedger()  # a collate that dropped every example (second review: read on dim 1 after two)
+    for _ in range(2):
+        read_on(ledger, torch.zeros(0, 4), 4)
+    assert read_on(ledger, torch.randn(4, 4), 4) == [0]
+
     ledger = BatchLedger()  # merged examples: B' = 3 < 4 with L = 4, twice; then one with B = 4, L = 2
     for shape in ((3, 4), (3, 4), (4, 2)):
         read_on(ledger, torch.randn(shape), 4)
