@@ -28,7 +28,7 @@ from typing import Dict, List, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import ConcatDataset, DataLoader, Subset
 
 from fastdp.data import PoissonBatchSampler, PoissonDataLoader, _loader_kwargs, dataset_and_rate
 from fastdp.optimizer import DPOptimizer
@@ -51,15 +51,15 @@ def _digest(value) -> float:
 
 
 def _dataset_fingerprint(dataset) -> tuple:
-    """What tells two ranks' datasets apart without reading an example: each level's type and size down a
-    chain of ``Subset`` s, and a digest of each level's indices."""
-    parts = []
-    while True:
-        parts.append((type(dataset).__name__, len(dataset)))
-        if not isinstance(dataset, Subset):
-            return tuple(parts)
-        parts.append(hashlib.sha256(np.asarray(dataset.indices, dtype=np.int64).tobytes()).hexdigest())
-        dataset = dataset.dataset
+    """What tells two ranks' datasets apart without reading an example: each level's type and size (where
+    it has one) down ``Subset`` and ``ConcatDataset`` wrappers, and a digest of each ``Subset``'s indices."""
+    level = (type(dataset).__name__, len(dataset) if hasattr(type(dataset), "__len__") else None)
+    if isinstance(dataset, Subset):
+        indices = hashlib.sha256(np.asarray(dataset.indices, dtype=np.int64).tobytes()).hexdigest()
+        return level, indices, _dataset_fingerprint(dataset.dataset)
+    if isinstance(dataset, ConcatDataset):
+        return level, tuple(_dataset_fingerprint(part) for part in dataset.datasets)
+    return (level,)
 
 
 def _first_rank(group) -> int:
@@ -124,25 +124,8 @@ def distributed_poisson_loader(data_loader: DataLoader, sample_rate: Optional[fl
     dataset, n, sample_rate = dataset_and_rate(data_loader, sample_rate)
     sampler = DistributedPoissonBatchSampler(n, sample_rate, steps, seed, secure_mode, rank, world_size,
                                              process_group)
-    if rank is None and world_size is None:  # the group's ranks, which all build their loader here
-        _check_same_dataset(dataset, process_group)
     return PoissonDataLoader(dataset, sampler, collate_fn=data_loader.collate_fn,
                              **_loader_kwargs(data_loader))
-
-
-def _check_same_dataset(dataset, process_group) -> None:
-    """Rank r samples the indices r, r + W, ... of its own dataset: every rank must hold the same examples
-    in the same order, or one example lands in several ranks' shards (sensitivity above C) and others in
-    none. Refused, on every rank, where their sizes or ``Subset`` indices differ (a split drawn per rank)."""
-    prints = [None] * dist.get_world_size(process_group)
-    dist.all_gather_object(prints, _dataset_fingerprint(dataset), group=process_group)
-    other = next((r for r, p in enumerate(prints) if p != prints[0]), None)
-    if other is not None:
-        raise ValueError(
-            f"the ranks' datasets differ (rank {other}'s size or Subset indices are not rank 0's: a random_split or "
-            "randperm drawn with a per-rank seed?): each rank samples its shard r, r + W, ... of its own dataset, so "
-            "every rank must hold the same examples in the same order, or an example lands in several ranks' shards "
-            "(sensitivity above C) and others in none; give every rank the whole dataset, split with one seed")
 
 
 class DistributedDPOptimizer(DPOptimizer):
@@ -152,6 +135,7 @@ class DistributedDPOptimizer(DPOptimizer):
     rank's :func:`distributed_poisson_loader` to have each step checked to take one batch."""
 
     _sums_across_ranks = True
+    _dataset_digest = -1.0  # of the attached loader's dataset (_dataset_fingerprint); -1: none attached
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, process_group=None, **kwargs):
         if not dist.is_initialized():
@@ -204,6 +188,7 @@ class DistributedDPOptimizer(DPOptimizer):
                 f"fastdp.distributed_poisson_loader(data_loader, rank={self.rank}, world_size={self.world_size}); "
                 f"got {got} (a loader of the whole dataset on every rank puts each sample in the sum several times)")
         super().attach_loader(loader)
+        self._dataset_digest = _digest(_dataset_fingerprint(loader.dataset))
 
     def epsilon(self, delta: float) -> float:
         if self.rank != 0:
@@ -231,14 +216,20 @@ class DistributedDPOptimizer(DPOptimizer):
                  "the clipping settings (clipping mode, per-layer bounds, gamma or loss_reduction)":
                      _digest((self.clipping.settings(), self.engine.loss_reduction)),
                  "the private parameters (their names, shapes, dtypes, requires_grad, and order in the optimizer)":
-                     _digest(params)}
+                     _digest(params),
+                 # rank r samples indices r, r + W, ... of its own dataset: every rank must hold the same examples in
+                 # the same order, or one lands in several ranks' shards (sensitivity above C) and others in none
+                 "the attached loaders' datasets (their sizes, or Subset indices: a split drawn with a per-rank "
+                 "seed?), which must hold the same examples in the same order on every rank (-1: none attached)":
+                     self._dataset_digest}
         values = torch.tensor([v for x in named.values() for v in (x, -x)], dtype=torch.float64,
                               device=self.engine.params[0].device if self.engine.params else "cpu")
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.process_group)
         for i, name in enumerate(named):
             high, low = values[2 * i].item(), -values[2 * i + 1].item()
             if high != low:
-                spread = "" if name.startswith(("the clipping settings", "the private")) else f" (from {low:.6g} to {high:.6g})"
+                digested = name.startswith(("the clipping settings", "the private", "the attached loaders' datasets"))
+                spread = "" if digested else f" (from {low:.6g} to {high:.6g})"
                 raise ValueError(
                     f"the ranks disagree on {name}{spread}: every rank must clip, divide and sample as rank 0 "
                     "does, whose noise and accountant cover only its own settings; set the same values on all "

@@ -183,15 +183,22 @@ def worker(rank, port, out):
         except ValueError as exc:
             result["order"] = (str(exc), opt.steps)
         # 11. ranks whose datasets differ (a split drawn with a per-rank seed): rank r's shard r::W of its own
-        # order overlapped the others', one example in two ranks' sums (2 C) and others in none
-        g = torch.Generator().manual_seed(rank)
-        try:
-            distributed_poisson_loader(DataLoader(torch.utils.data.Subset(TensorDataset(x, y),
-                                                                          torch.randperm(N, generator=g).tolist())))
-        except ValueError as exc:
-            result["datasets"] = str(exc)
-        split = torch.utils.data.Subset(TensorDataset(x, y), torch.randperm(N, generator=torch.Generator().manual_seed(5)))
-        result["same_split"] = len(distributed_poisson_loader(DataLoader(split), sample_rate=RATE).dataset)
+        # order overlapped the others', one example in two ranks' sums (2 C) and others in none. Refused at the
+        # step, before it counts, also inside a ConcatDataset and for a loader given its rank explicitly
+        own = torch.utils.data.Subset(TensorDataset(x, y), torch.randperm(N, generator=torch.Generator().manual_seed(rank)))
+        shared = torch.utils.data.Subset(TensorDataset(x, y), torch.randperm(N, generator=torch.Generator().manual_seed(5)))
+        result["datasets"] = []
+        for dataset, kwargs in ((own, {}), (torch.utils.data.ConcatDataset([shared, own]), {}),
+                                (own, {"rank": rank, "world_size": WORLD}), (shared, {})):
+            model = make_model(7)
+            opt = DistributedDPOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), module=model,
+                                         noise_multiplier=1.0, max_grad_norm=C, expected_batch_size=1.0)
+            opt.attach_loader(distributed_poisson_loader(DataLoader(dataset), sample_rate=RATE, seed=SEED, **kwargs))
+            try:
+                opt.step()
+                result["datasets"].append(opt.steps)
+            except ValueError as exc:
+                result["datasets"].append((str(exc), opt.steps))
         torch.save(result, f"{out}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -358,7 +365,32 @@ def test_ranks_that_list_the_parameters_in_another_order_are_refused(runs):
 
 def test_ranks_whose_datasets_differ_are_refused(runs):
     """A split drawn with a per-rank seed: rank r's shard r::W of its own order overlapped the others'
-    (the same example in two ranks' sums in 169 of 400 steps, 2 C; distributed review). A split drawn
-    with one seed on every rank is taken."""
+    (the same example in two ranks' sums in 169 of 400 steps, 2 C; distributed review). Refused before
+    the step counts, inside a ConcatDataset and with an explicit rank too; one split for all is taken."""
     for rank in runs:
-        assert "the ranks' datasets differ" in rank["datasets"] and rank["same_split"] == N
+        *refused, taken = rank["datasets"]
+        assert taken == 1
+        for message, steps in refused:
+            assert "the attached loaders' datasets" in message and steps == 0
+
+
+def test_dataset_fingerprints_tell_orders_apart_and_take_any_index_type():
+    """What the ranks compare: equal for the same indices however they are held, different for another
+    order or size, also below a ConcatDataset; a dataset without __len__ under a Subset is taken
+    (review: the first version called len() on every level)."""
+    from torch.utils.data import ConcatDataset, Dataset, Subset
+
+    from fastdp.distributed import _dataset_fingerprint
+
+    class NoLength(Dataset):
+        def __getitem__(self, i):
+            return torch.tensor(float(i))
+
+    base = TensorDataset(torch.arange(6.0))
+    same = [Subset(base, idx) for idx in ([3, 1, 2], torch.tensor([3, 1, 2]), np.array([3, 1, 2], dtype=np.int32))]
+    assert len({_dataset_fingerprint(d) for d in same}) == 1
+    assert _dataset_fingerprint(Subset(base, [1, 3, 2])) != _dataset_fingerprint(same[0])
+    assert _dataset_fingerprint(ConcatDataset([base, Subset(base, [0, 1])])) != \
+        _dataset_fingerprint(ConcatDataset([base, Subset(base, [1, 0])]))
+    assert _dataset_fingerprint(TensorDataset(torch.arange(5.0))) != _dataset_fingerprint(base)
+    assert _dataset_fingerprint(Subset(NoLength(), range(20))) == _dataset_fingerprint(Subset(NoLength(), range(20)))
