@@ -40,7 +40,7 @@ from fastdp.validate import stale_forward, trained_parametrization, validate
 
 LOSS_REDUCTIONS = ("mean", "sum")
 NONFINITE_POLICIES = ("raise", "skip")
-_FLOAT32_TINY = ops.FLOAT32_NORMAL_RANGE[0]
+_FLOAT32_TINY, _FLOAT32_HUGE = ops.FLOAT32_NORMAL_RANGE
 _CONCATENATED_VIEWS = ("Two views of each sample concatenated on dim 0 (torch.cat([v1, v2])) count as two samples: "
                        "pass them as separate tensors, or stacked on dim 1")
 
@@ -327,7 +327,7 @@ class GradSampleEngine:
                 rec.zero_samples(bad)
             shared = {p: zeroed_samples(g, bad) for p, g in shared.items()}
 
-        coef_of = self._coefficients(params, norms, scale, total_sq, bad)
+        coef_of = self._coefficients(params, norms, scale, total_sq)
         summed = dict(self.summed)
         for rec, names in own.items():
             sums = rec.rule.clipped_sums(rec, {n: coef_of(rec.params[n]) for n in names})
@@ -437,25 +437,30 @@ class GradSampleEngine:
             )
 
     def _coefficients(self, params: List[torch.Tensor], norms: List[torch.Tensor], scale: float,
-                      total_sq: torch.Tensor, bad: Optional[torch.Tensor]):
-        """``coef_of(param)``: its clipping coefficients (B,), zeroed for dropped samples and in
-        the dtype the rules compute in (float32 for half-precision parameters). A policy with
-        one coefficient for all parameters (flat, automatic) gives it once, cast once per dtype."""
+                      total_sq: torch.Tensor):
+        """``coef_of(param)``: its clipping coefficients (B,), zeroed for samples without gradient and
+        dropped ones (``total_sq`` 0), in the dtype the rules compute in (float32 for half-precision
+        parameters). A policy with one coefficient for all parameters (flat, automatic) gives it once,
+        cast once per dtype."""
         shared = getattr(self.clipping, "coefficient", None)
         if shared is not None:
             one, per_param = shared(total_sq, scale), None
         else:
             one, per_param = None, self.clipping.coefficients(dict(zip(params, norms)), scale, total_sq)
         cast: Dict[tuple, torch.Tensor] = {}
+        zero = total_sq == 0  # also the dropped (non-finite) samples, whose totals were set to 0
 
         def coef_of(p: torch.Tensor) -> torch.Tensor:
             c = one if per_param is None else per_param[p]
             dtype = compute_dtype(p.dtype)
             done = cast.get((id(c), dtype))
             if done is None:
-                kept = c if bad is None else torch.where(bad, 0.0, c)
-                if dtype != torch.float64:  # a float32 subnormal rounds by up to 2x: a share up to 2C, so 0
-                    kept = torch.where(kept < _FLOAT32_TINY, 0.0, kept)
+                # a sample without gradient adds nothing: 0, not a coefficient up to B (mean) or C / gamma
+                # that times its activations (finite) could overflow float32 and make 0 x Inf = NaN of the sum
+                kept = torch.where(zero, 0.0, c)
+                if dtype != torch.float64:  # a float32 subnormal rounds by up to 2x: a share up to 2C, so 0;
+                    # above float32's range (a tiny gamma) it would be Inf: a share of at most C at its largest
+                    kept = torch.where(kept < _FLOAT32_TINY, 0.0, kept).clamp_(max=_FLOAT32_HUGE)
                 done = cast[(id(c), dtype)] = kept.to(dtype)
             return done
 

@@ -1047,6 +1047,26 @@ def test_a_coefficient_below_float32s_normal_range_gives_no_share_rather_than_up
         assert share == pytest.approx(most, abs=1e-6)
 
 
+@pytest.mark.parametrize("layer", ["linear", "conv"])
+@pytest.mark.parametrize("reduction,clipping,gamma,big", [("mean", "flat", 0.01, 1e37), ("sum", "automatic", 0.01, 1e37),
+                                                          ("sum", "automatic", 1e-39, 1.0)])
+def test_a_coefficient_times_finite_activations_does_not_overflow_the_sum(layer, reduction, clipping, gamma, big):
+    """A coefficient up to B (mean) or C / gamma times a sample's finite activations overflowed float32:
+    with its output gradient 0 the sum became 0 x Inf = NaN, released whenever that sample was in the
+    batch, unseen by the non-finite checks; C / gamma past float32's range was Inf itself (clipping
+    review). A sample without gradient gets coefficient 0, and none exceeds float32's range."""
+    torch.manual_seed(1)
+    model = nn.Linear(4, 8) if layer == "linear" else nn.Conv1d(2, 4, 3)
+    x = torch.randn(64, 4) if layer == "linear" else torch.randn(64, 2, 5)
+    x[0] = big
+    opt = fastdp.DPOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), module=model, noise_multiplier=0.0,
+                             max_grad_norm=1.0, expected_batch_size=64, loss_reduction=reduction,
+                             clipping=clipping, gamma=gamma, nonfinite="raise")
+    per_sample = model(x).flatten(1).sum(1) * (torch.arange(64) > 0)  # sample 0: gradient 0
+    (per_sample.mean() if reduction == "mean" else per_sample.sum()).backward()
+    assert all(torch.isfinite(s).all() for s in opt.engine.sums())
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_nan_output_gradients_at_padding_positions_are_dropped_as_torch_drops_them(tied):
     """A loss whose unselected branch has gradient 0 * NaN at padding positions: plain torch gives the
