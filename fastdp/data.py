@@ -148,24 +148,26 @@ def _samples_first(t: torch.Tensor, dim: SampleDim, size: Optional[int]) -> Tupl
 
 class _LengthsSeen:
     """For one tensor of a collate's batches (by its path in the batch and its rank), the dims that had
-    the batch's length on every non-empty batch where its samples were guessed, and on how many of them
-    one dim alone had it: where that leaves one dim, found on two batches at least, it is where the
-    samples lie when two dims have the batch's length (a time-first (T, B) tensor at B = T). A collate
-    that drops or merges examples leaves the sample dim shorter than the count, so it drops out."""
+    the batch's length on every batch where its samples were guessed and it held elements, and the
+    sampled counts at which one dim alone had it: where that leaves one dim, found alone at two counts
+    at least, it is where the samples lie when two dims have the batch's length (a time-first (T, B)
+    tensor at B = T). The sample dim follows every count; a dim of fixed length (T) matches only one,
+    and a collate that drops or merges examples leaves the sample dim shorter, so it drops out."""
 
-    __slots__ = ("dims", "alone")
+    __slots__ = ("dims", "counts")
 
     def __init__(self) -> None:
         self.dims: Optional[frozenset] = None
-        self.alone = 0
+        self.counts: set = set()  # at most two: all that is asked of them
 
-    def add(self, lengths: frozenset) -> None:
+    def add(self, lengths: frozenset, size: int) -> None:
         self.dims = lengths if self.dims is None else self.dims & lengths
-        self.alone += len(lengths) == 1
+        if len(lengths) == 1 and len(self.counts) < 2:
+            self.counts.add(size)
 
     def sample_dim(self, t: torch.Tensor, size: int) -> Optional[int]:
         """The dim of ``t`` (of the batch's length) where its samples lie, if the batches before told."""
-        if self.dims is None or len(self.dims) != 1 or self.alone < 2:
+        if self.dims is None or len(self.dims) != 1 or len(self.counts) < 2:
             return None
         (k,) = self.dims
         return k if k < t.dim() and t.shape[k] == size else None
@@ -443,6 +445,8 @@ class BatchLedger:
     tensors of each batch handed out are remembered (weakly) with its number, so a backward
     pass whose layers see one of them is attributed to that batch, however old."""
 
+    KEYS_KEPT = 1024  # tensors (path, rank) whose guessed lengths are kept (_LengthsSeen)
+
     def __init__(self, taken: int = 0, released: Optional[List[int]] = None):
         # batches of the sampler's seed (and stream) released by steps in this process, shared with every
         # loader of that seed (PoissonBatchSampler.released_count): batch number n is its index n - 1
@@ -508,7 +512,7 @@ class BatchLedger:
             if how == "told":
                 on_root.told.append(samples)
                 continue
-            seen = self._lengths_seen.setdefault((path, t.dim()), _LengthsSeen())
+            seen = self._seen((path, t.dim()))
             if how == "unclear":
                 found = seen.sample_dim(t, size)
                 on_root.unclear.append((samples, None if found is None else t.movedim(found, 0)))
@@ -517,11 +521,24 @@ class BatchLedger:
             on_root.foreign |= foreign
             lengths = _batch_length_dims(t, size)
             if lengths is not None:
-                seen.add(lengths)
+                seen.add(lengths, size)
         for root, on_root in by_root.items():  # a tensor handed out again without samples loses its old layout
             self.layouts[root] = on_root.layout(self.handouts)
             if root.layout == torch.strided and not root.is_nested:  # aliases (x.detach(), x.data) find it
                 self._roots[_memory_of(root)] = weakref.ref(root)
+
+    def _seen(self, key: tuple) -> _LengthsSeen:
+        """The :class:`_LengthsSeen` of ``key`` (path, rank); a throwaway one where the path cannot be a key
+        (a mapping with unhashable keys) or keys keep coming (a batch keyed anew each time): nothing kept."""
+        try:
+            seen = self._lengths_seen.get(key)
+        except TypeError:
+            return _LengthsSeen()
+        if seen is None:
+            seen = _LengthsSeen()
+            if len(self._lengths_seen) < self.KEYS_KEPT:
+                self._lengths_seen[key] = seen
+        return seen
 
     def traced_batches(self, tensors: Iterable[torch.Tensor]) -> set:
         """The batches of the handed-out tensors among ``tensors`` (the inputs a backward pass's

@@ -455,11 +455,12 @@ class GradSampleEngine:
             dtype = compute_dtype(p.dtype)
             done = cast.get((id(c), dtype))
             if done is None:
-                # a sample without gradient adds nothing: 0, not a coefficient up to B (mean) or C / gamma
-                # that times its activations (finite) could overflow float32 and make 0 x Inf = NaN of the sum
+                # a sample without gradient adds nothing: 0, not a coefficient up to B (mean) or C / gamma whose
+                # product with activations near float32's range would overflow, 0 x Inf = NaN in the sum (a sample
+                # with some gradient can still overflow there: README, Errors)
                 kept = torch.where(zero, 0.0, c)
                 if dtype != torch.float64:  # a float32 subnormal rounds by up to 2x: a share up to 2C, so 0;
-                    # above float32's range (a tiny gamma) it would be Inf: a share of at most C at its largest
+                    # above float32's range (a tiny gamma) it would be Inf: at float32's largest, a share of at most C
                     kept = torch.where(kept < _FLOAT32_TINY, 0.0, kept).clamp_(max=_FLOAT32_HUGE)
                 done = cast[(id(c), dtype)] = kept.to(dtype)
             return done

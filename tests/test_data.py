@@ -3,6 +3,7 @@ BatchMemoryManager (one noisy step per logical batch, equal to the unsplit step)
 import math
 import time
 import warnings
+from collections.abc import Mapping
 
 import numpy as np
 import pytest
@@ -265,12 +266,29 @@ def test_a_collate_that_cannot_be_probed_warns_and_the_samples_are_guessed_from_
     assert ledger.sample_layout(positions).rows_of(positions.expand(5, 3)) == UNKNOWN  # shared or dropped items
 
 
+class _ListKeyed(Mapping):
+    """A mapping whose keys are lists (unhashable), as a custom batch class may hold."""
+
+    def __init__(self, items):
+        self._items = items
+
+    def __getitem__(self, key):
+        return next(v for k, v in self._items if k == key)
+
+    def __iter__(self):
+        return iter(k for k, _ in self._items)
+
+    def __len__(self):
+        return len(self._items)
+
+
 def test_a_lone_guess_where_two_dims_have_the_batchs_length_reads_the_one_dim_earlier_batches_had():
     """A time-first (T, B) tensor the collate does not place, alone on its memory at B = T, was read on
     dim 0 (its time steps as samples: a model feeding it time-first passed at T C). It is read on the
-    one dim that had the batch's length on every earlier non-empty batch, alone on two of them at least;
-    a collate that drops or merges examples shortens the sample dim, which then drops out (guess-memory
-    review: one such batch with L = B taught a batch-first tensor 'dim 1', and x.t() passed at 2 C).
+    one dim that had the batch's length on every earlier batch where it held elements, alone at two
+    sampled counts at least: a dim of fixed length matches one, and a collate that drops or merges
+    examples shortens the sample dim, which then drops out (guess-memory reviews: such batches with
+    L = B taught a batch-first tensor 'dim 1', and x.t() passed at 2 C and 3 C).
     Tensors are told apart by their path in the batch, not their place (a dict's key order may change)."""
     def read_on(ledger, batch, size, key=None):  # the dim the samples of batch (or batch[key]) are read on
         ledger.take(Collated(batch, None, None), size=size)
@@ -282,6 +300,8 @@ def test_a_lone_guess_where_two_dims_have_the_batchs_length_reads_the_one_dim_ea
     assert read_on(ledger, torch.randn(4, 4), 4) == [0]  # nothing before: dim 0
     assert read_on(ledger, torch.randn(4, 6), 6) == [1]  # samples on dim 1
     assert read_on(ledger, torch.randn(4, 4), 4) == [0]  # one batch is not enough
+    read_on(ledger, torch.randn(4, 6), 6)
+    assert read_on(ledger, torch.randn(4, 4), 4) == [0]  # nor two at one count
     read_on(ledger, torch.randn(4, 3), 3)
     assert read_on(ledger, torch.randn(4, 4), 4) == [1] and read_on(ledger, torch.randn(4, 4, 2), 4) == [0]  # rank 3
     read_on(ledger, torch.zeros(4, 0), 0)  # an empty batch's shapes tell nothing
@@ -295,6 +315,17 @@ def test_a_lone_guess_where_two_dims_have_the_batchs_length_reads_the_one_dim_ea
     for _ in range(2):
         read_on(ledger, torch.zeros(0, 4), 4)
     assert read_on(ledger, torch.randn(4, 4), 4) == [0]
+
+    ledger = BatchLedger()  # batch-first (B, T = 3), an example dropped from two batches of 3: only T had the
+    for _ in range(2):     # count, twice (regression review: read on dim 1 after them, x.t() passed at 3 C)
+        read_on(ledger, torch.randn(2, 3), 3)
+    assert read_on(ledger, torch.randn(3, 3), 3) == [0]
+
+    ledger = BatchLedger()  # unhashable mapping keys (they crashed), and keys new with every batch (kept to a cap)
+    ledger.take(Collated(_ListKeyed([(["x"], torch.randn(2, 3))]), None, None), size=3)
+    for n in range(BatchLedger.KEYS_KEPT + 5):
+        ledger.take(Collated({f"batch {n}": torch.randn(2, 3)}, None, None), size=3)
+    assert len(ledger._lengths_seen) == BatchLedger.KEYS_KEPT
 
     ledger = BatchLedger()  # merged examples: B' = 3 < 4 with L = 4, twice; then one with B = 4, L = 2
     for shape in ((3, 4), (3, 4), (4, 2)):

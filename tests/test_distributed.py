@@ -185,8 +185,11 @@ def worker(rank, port, out):
         # 11. ranks whose datasets differ (a split drawn with a per-rank seed): rank r's shard r::W of its own
         # order overlapped the others', one example in two ranks' sums (2 C) and others in none. Refused at the
         # step, before it counts, also inside a ConcatDataset and for a loader given its rank explicitly
-        own = torch.utils.data.Subset(TensorDataset(x, y), torch.randperm(N, generator=torch.Generator().manual_seed(rank)))
-        shared = torch.utils.data.Subset(TensorDataset(x, y), torch.randperm(N, generator=torch.Generator().manual_seed(5)))
+        def split(seed):
+            order = torch.randperm(N, generator=torch.Generator().manual_seed(seed))
+            return torch.utils.data.Subset(TensorDataset(x, y), order)
+
+        own, shared = split(rank), split(5)
         result["datasets"] = []
         for dataset, kwargs in ((own, {}), (torch.utils.data.ConcatDataset([shared, own]), {}),
                                 (own, {"rank": rank, "world_size": WORLD}), (shared, {})):

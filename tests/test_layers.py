@@ -600,7 +600,8 @@ def test_the_tf32_setting_is_read_under_either_of_torchs_apis(setting, matmul, c
     import subprocess
     import sys
 
-    code = f"import torch\nfrom fastdp.layers.base import tf32_in_use\n{setting}\nprint(tf32_in_use('matmul'), tf32_in_use('conv'))"
+    code = (f"import torch\nfrom fastdp.layers.base import tf32_in_use\n{setting}\n"
+            "print(tf32_in_use('matmul'), tf32_in_use('conv'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.stdout.split() == [str(matmul), str(conv)]
