@@ -16,10 +16,11 @@ $(VENV)/.created:
 	$(PIP) install -q --upgrade pip setuptools wheel pybind11
 	touch $@
 
-# torch first (the local CPU wheel), then the package without build isolation so
-# that no build step can pull a CUDA torch of its own.
+# torch first (the CPU wheel where pip's index serves it, as the project's machines do from local
+# disk; else set TORCH, see the README), then the package without build isolation so that no
+# build step can pull a CUDA torch of its own.
 $(VENV)/.installed: $(VENV)/.created pyproject.toml setup.py $(wildcard csrc/*.cpp csrc/*.h)
-	$(PIP) install -q "$(TORCH)"
+	$(PIP) install -q $(TORCH)
 	$(PIP) install -q --no-build-isolation -e ".[test,triton,bench,data]"
 	touch $@
 
