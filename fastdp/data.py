@@ -139,10 +139,12 @@ def _samples_first(t: torch.Tensor, dim: SampleDim, size: Optional[int]) -> Tupl
         return None, "", False
     if ndim == t.dim() and isinstance(k, int):
         return (t.movedim(k, 0) if k else t), "told", False
-    how = "unclear" if size is not None and t.shape.count(size) > 1 else "guessed"
-    if size is None or t.shape[0] == size or t.layout != torch.strided or t.is_nested:
-        return t, how, False
+    if size is None:
+        return t, "guessed", False
     lengths = [j for j, n in enumerate(t.shape) if n == size]
+    how = "unclear" if len(lengths) > 1 else "guessed"
+    if t.shape[0] == size or t.layout != torch.strided or t.is_nested:
+        return t, how, False
     return (t.movedim(lengths[0], 0), how, False) if len(lengths) == 1 else (t, how, True)
 
 

@@ -207,29 +207,30 @@ class DistributedDPOptimizer(DPOptimizer):
                 "from a checkpoint")
         # the sums are added element by element in flat buffers: every rank must list the same parameters in the
         # same order (an optimizer built from a set() orders them by id(), which differs between processes)
-        params = [(self.engine.names.get(p, "?"), tuple(p.shape), p.dtype, p.requires_grad) for p in self.engine.params]
+        params = [(self.engine.names.get(p, "?"), tuple(p.shape), p.dtype, p.requires_grad)
+                  for p in self.engine.params]
         rate = self._loader_rate()
         named = {"the clipping sensitivity (max_grad_norm)": self.clipping.sensitivity,
                  "expected_batch_size": float(self.expected_batch_size),
                  # rank 0's accountant counts its own loader's rate: every rank's must draw at it
-                 "the attached loader's sample rate (-1: none attached)": -1.0 if rate is None else float(rate),
-                 "the clipping settings (clipping mode, per-layer bounds, gamma or loss_reduction)":
-                     _digest((self.clipping.settings(), self.engine.loss_reduction)),
-                 "the private parameters (their names, shapes, dtypes, requires_grad, and order in the optimizer)":
-                     _digest(params),
-                 # rank r samples indices r, r + W, ... of its own dataset: every rank must hold the same examples in
-                 # the same order, or one lands in several ranks' shards (sensitivity above C) and others in none
-                 "the attached loaders' datasets (their sizes, or Subset indices: a split drawn with a per-rank "
-                 "seed?), which must hold the same examples in the same order on every rank (-1: none attached)":
-                     self._dataset_digest}
-        values = torch.tensor([v for x in named.values() for v in (x, -x)], dtype=torch.float64,
+                 "the attached loader's sample rate (-1: none attached)": -1.0 if rate is None else float(rate)}
+        digests = {"the clipping settings (clipping mode, per-layer bounds, gamma or loss_reduction)":
+                       _digest((self.clipping.settings(), self.engine.loss_reduction)),
+                   "the private parameters (their names, shapes, dtypes, requires_grad, and order in the optimizer)":
+                       _digest(params),
+                   # rank r samples indices r, r + W, ... of its own dataset: every rank must hold the same examples
+                   # in the same order, or one lands in several ranks' shards (sensitivity above C) and others in none
+                   "the attached loaders' datasets (their sizes, or Subset indices: a split drawn with a per-rank "
+                   "seed?), which must hold the same examples in the same order on every rank (-1: none attached)":
+                       self._dataset_digest}
+        settings = [*named.items(), *digests.items()]
+        values = torch.tensor([v for _, x in settings for v in (x, -x)], dtype=torch.float64,
                               device=self.engine.params[0].device if self.engine.params else "cpu")
         dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.process_group)
-        for i, name in enumerate(named):
+        for i, (name, _) in enumerate(settings):
             high, low = values[2 * i].item(), -values[2 * i + 1].item()
             if high != low:
-                digested = name.startswith(("the clipping settings", "the private", "the attached loaders' datasets"))
-                spread = "" if digested else f" (from {low:.6g} to {high:.6g})"
+                spread = "" if name in digests else f" (from {low:.6g} to {high:.6g})"
                 raise ValueError(
                     f"the ranks disagree on {name}{spread}: every rank must clip, divide and sample as rank 0 "
                     "does, whose noise and accountant cover only its own settings; set the same values on all "

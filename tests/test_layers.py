@@ -592,6 +592,9 @@ def test_a_parents_alias_of_a_layers_parameter_is_not_refused():
     ("torch.backends.cudnn.conv.fp32_precision = 'ieee'", False, False),
     ("torch.backends.fp32_precision = 'ieee'", False, False),
     ("torch.set_float32_matmul_precision('high')", True, True),
+    # a convolution without cuDNN runs on cuBLAS: TF32 there counts for convolutions too
+    ("torch.backends.cuda.matmul.fp32_precision = 'tf32'\n"
+     "torch.backends.cudnn.conv.fp32_precision = 'ieee'", True, True),
 ])
 def test_the_tf32_setting_is_read_under_either_of_torchs_apis(setting, matmul, conv):
     """The rounding allowance of CUDA ghost norms read torch's legacy allow_tf32 flags, which raise once

@@ -234,11 +234,13 @@ def with_rounding_allowance(sq_norms: torch.Tensor, slack: torch.Tensor, seq: in
 
 
 def tf32_in_use(kind: str) -> bool:
-    """Whether CUDA float32 contractions of ``kind`` ("matmul": cuBLAS, "conv": cuDNN) may run in TF32
-    (a convolution without cuDNN, or one aten lowers to a matmul, follows "matmul": ask both for it).
-    torch's legacy ``allow_tf32`` flags raise once its ``fp32_precision`` settings have been used (even
-    only those): then the first of those, from the operator's up to the global one, that is not "none"
-    (inherit) tells; none set, or anything but "ieee", counts as TF32 (the larger, safe allowance)."""
+    """Whether CUDA float32 contractions of ``kind`` ("matmul": cuBLAS, "conv": cuDNN, or cuBLAS for a
+    convolution run without cuDNN or lowered to a matmul) may run in TF32. torch's legacy ``allow_tf32``
+    flags raise once its ``fp32_precision`` settings have been used (even only those): then the first of
+    those, from the operator's up to the global one, that is not "none" (inherit) tells; none set, or
+    anything but "ieee", counts as TF32 (the larger, safe allowance)."""
+    if kind == "conv" and tf32_in_use("matmul"):
+        return True
     legacy = torch.backends.cuda.matmul if kind == "matmul" else torch.backends.cudnn
     try:
         return bool(legacy.allow_tf32)

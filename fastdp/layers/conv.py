@@ -420,7 +420,7 @@ class ConvRule(LayerRule):
         _, spec, weight = self._operands(rec)
         g = rec.grad_output
         return with_rounding_allowance(sq_norms, self._slack(rec), self._linear_dims(g, spec, weight)[0], g.dtype,
-                                       g.is_cuda and (tf32_in_use("conv") or tf32_in_use("matmul")))
+                                       g.is_cuda and tf32_in_use("conv"))
 
     def per_sample_grads(self, rec: Record, names: Iterable[str]) -> Dict[str, torch.Tensor]:
         x, spec, weight = self._operands(rec)
